@@ -1,0 +1,325 @@
+"""The public entry point: ``get_cpu_offload_context`` and the marking functions."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from .errors import CpuOffloadError
+from .forward_pass import ForwardPass
+from .layer_state import has_saving_protocol, unpack_saved
+from .marks import set_mark
+from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
+from .synchronizer import (
+    DefaultOffloadSynchronizer,
+    ManualOffloadSynchronizer,
+    OffloadSynchronizer,
+)
+
+__all__ = [
+    "OffloadContext",
+    "get_cpu_offload_context",
+    "is_cpu_offload_enabled",
+    "mark_activation_offload",
+    "mark_not_offload",
+    "start_offload",
+]
+
+# How many offload contexts are active in this thread (or asyncio task).
+_active_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "cpu_offload_active_depth", default=0
+)
+
+
+def is_cpu_offload_enabled() -> bool:
+    """Whether the calling thread is inside an active offload context."""
+    return _active_depth.get() > 0
+
+
+def _components(tensors: tuple[Any, ...]) -> list[torch.Tensor]:
+    """Plain tensors of the arguments; quantized objects contribute their components."""
+    found: list[torch.Tensor] = []
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if has_saving_protocol(tensor):
+            saved = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
+            components, obj = saved.prepare_for_saving()
+            found.extend(c for c in components if c is not None)
+            obj.restore_from_saved(components)
+        elif isinstance(tensor, torch.Tensor):
+            found.append(tensor)
+        else:
+            raise TypeError(f"cpu_offload: expected tensors, got {type(tensor).__name__}.")
+    return found
+
+
+def mark_not_offload(*tensors: Any) -> None:
+    """Keep these tensors on the device whenever they are saved for backward.
+
+    Quantized tensors (objects with ``prepare_for_saving``) are marked component by
+    component.
+
+    Example:
+        >>> import torch
+        >>> from cpu_offload import mark_not_offload
+        >>> mask = torch.ones(1024, 1024)
+        >>> mark_not_offload(mask)
+    """
+    for tensor in _components(tensors):
+        set_mark(tensor, do_not_offload=True)
+
+
+def start_offload(*tensors: Any, offload_base_tensor: bool = False) -> None:
+    """Record, on the current stream, that these tensors are ready to be copied.
+
+    By default a saved tensor's copy waits for an event recorded when autograd
+    saved it; calling this earlier lets the copy start as soon as the tensor is
+    computed.  With ``offload_base_tensor=True`` a view is offloaded through its
+    base (for example ``q``, ``k``, ``v`` views of one ``qkv`` tensor are copied as
+    one tensor and come back as views with their strides).
+
+    Example:
+        >>> import torch
+        >>> from cpu_offload import start_offload
+        >>> qkv = torch.randn(4, 8, 3 * 64)
+        >>> q, k, v = qkv.chunk(3, dim=-1)
+        >>> start_offload(q, k, v, offload_base_tensor=True)
+    """
+    # The backend of the active synchronizer is not known here; record on the
+    # backend of each tensor's device.
+    from .device import get_backend
+
+    backends: dict[torch.device, Any] = {}
+    for tensor in _components(tensors):
+        backend = backends.get(tensor.device)
+        if backend is None:
+            backend = backends[tensor.device] = get_backend(tensor.device)
+        fields: dict[str, Any] = {"ready_event": backend.record_event()}
+        if offload_base_tensor and tensor._base is not None:
+            fields["offload_base"] = True
+        set_mark(tensor, **fields)
+
+
+def mark_activation_offload(*tensors: Any) -> None:
+    """Accepted for compatibility with older callers; has no effect."""
+
+
+class OffloadContext:
+    """Context entered around each layer's forward; see :func:`get_cpu_offload_context`.
+
+    Attributes:
+        offload_synchronizer: the synchronizer that schedules the copies.
+    """
+
+    def __init__(self, synchronizer: OffloadSynchronizer) -> None:
+        self.offload_synchronizer = synchronizer
+        self._hooks: saved_tensors_hooks | None = None
+        self._depth_token: contextvars.Token[int] | None = None
+        self._inside = False
+        # The pass and layer of the latest forward, for sync_fn (weak: the pass
+        # belongs to its graph).
+        self._last_pass: weakref.ref[ForwardPass] | None = None
+        self._last_layer: int | None = None
+
+    def __enter__(self) -> OffloadContext:
+        if self._inside:
+            raise CpuOffloadError(
+                "cpu_offload: the offload context was entered again before it was left. "
+                "Use one `with ctx:` block per layer, and call sync_fn on the layer's "
+                "output after the block."
+            )
+        synchronizer = self.offload_synchronizer
+        layer = synchronizer.fwd_step()
+        forward_pass = synchronizer.current_pass
+        if forward_pass is None:  # pragma: no cover - fwd_step always sets it
+            raise CpuOffloadError("cpu_offload internal error: no forward pass after fwd_step.")
+        self._last_pass = weakref.ref(forward_pass)
+        self._last_layer = layer
+        if synchronizer.layer_is_offloaded(layer):
+            state = forward_pass.layer_states[layer]
+            self._hooks = saved_tensors_hooks(state.push_tensor, unpack_saved)
+            self._hooks.__enter__()
+        self._depth_token = _active_depth.set(_active_depth.get() + 1)
+        self._inside = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        self._inside = False
+        if self._depth_token is not None:
+            _active_depth.reset(self._depth_token)
+            self._depth_token = None
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, traceback)
+            self._hooks = None
+        if exc_type is not None:
+            # Leave nothing half done: the next forward starts a fresh pass.
+            self.offload_synchronizer.abort_forward()
+            self._last_pass = None
+        else:
+            self.offload_synchronizer.fwd_end()
+
+    def sync_fn(self, tensor: Any) -> Any:
+        """Mark the end of a layer: backward reaching ``tensor`` triggers the schedule.
+
+        Returns ``tensor`` itself; a tensor that does not require grad (evaluation,
+        ``torch.no_grad``) is passed through untouched.
+        """
+        if self._inside:
+            raise CpuOffloadError(
+                "cpu_offload: the sync function was called inside the offload context; "
+                "call it on the layer's output after the `with ctx:` block."
+            )
+        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+            return tensor
+        forward_pass = self._last_pass() if self._last_pass is not None else None
+        if forward_pass is None or self._last_layer is None:
+            raise CpuOffloadError(
+                "cpu_offload: the sync function was called without a layer forward before "
+                "it. Call it once after each `with ctx:` block, on the layer's output."
+            )
+        synchronizer, layer = self.offload_synchronizer, self._last_layer
+
+        def on_backward(grad_outputs: Any) -> None:
+            if not forward_pass.finish_queued:
+                forward_pass.finish_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: synchronizer.finish_part_of_bwd(forward_pass)
+                )
+            synchronizer.bwd_step(layer, forward_pass)
+
+        tensor.grad_fn.register_prehook(on_backward)
+        return tensor
+
+
+def _validate(
+    num_layers: int | None,
+    model_layers: int,
+    offload_activations: bool,
+    offload_weights: bool,
+    manual_synchronization: bool,
+    offload_stream: Any,
+) -> None:
+    if not offload_activations and not offload_weights:
+        raise ValueError(
+            "cpu_offload: offloading is enabled but nothing is chosen to offload: "
+            "offload_activations=False and offload_weights=False. Pass "
+            "offload_activations=True, or enabled=False."
+        )
+    if offload_weights:
+        warnings.warn(
+            "cpu_offload: offload_weights=True is deprecated and has no effect; only "
+            "activations are offloaded.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if offload_stream is not None and not manual_synchronization:
+        raise ValueError(
+            "cpu_offload: offload_stream can be given only with manual_synchronization=True; "
+            "the default schedule creates its own stream."
+        )
+    if not manual_synchronization and isinstance(num_layers, int) and isinstance(model_layers, int):
+        if model_layers > 1 and num_layers == model_layers - 1:
+            warnings.warn(
+                "cpu_offload: num_layers == model_layers - 1 offloads every layer but the last; "
+                "copies cannot overlap with compute, so expect a slowdown. Offload fewer "
+                "layers to hide the copies.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: int | None = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    manual_synchronization: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    offload_stream: Any = None,
+    *,
+    device: torch.device | str | None = None,
+    min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
+) -> tuple[Any, Callable[[Any], Any]] | tuple[Any, Callable[[Any], Any], Any]:
+    """Offload the activations of chosen layers to host memory.
+
+    Drop-in compatible with TransformerEngine's and Megatron's call: the first nine
+    parameters keep their positions.
+
+    Args:
+        enabled: when False, return a null context and an identity function.
+        num_layers: layers to offload, ``k`` (default schedule): layers ``0..k-1``.
+        model_layers: layers run under the context per forward pass, ``L``.
+        offload_activations: must be True (activations are what is offloaded).
+        offload_weights: deprecated, no effect.
+        double_buffering: accepted for compatibility, no effect.
+        manual_synchronization: return a third value, a
+            :class:`ManualOffloadSynchronizer`, and schedule nothing automatically.
+        retain_pinned_cpu_buffers: reuse host buffers in later iterations (shapes
+            must not change).
+        offload_stream: stream for the copies (manual synchronization only).
+        device: device whose activations are offloaded; default the best available.
+        min_offload_numel: saved tensors with fewer elements stay on the device.
+
+    Returns:
+        ``(context, sync_fn)``, or ``(context, sync_fn, controller)`` in manual mode.
+
+    Raises:
+        ValueError: for an inconsistent configuration.
+
+    Example:
+        >>> import torch
+        >>> from cpu_offload import get_cpu_offload_context
+        >>> layers = [torch.nn.Linear(256, 256) for _ in range(4)]
+        >>> ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+        >>> x = torch.randn(32, 256, requires_grad=True)
+        >>> for layer in layers:
+        ...     with ctx:
+        ...         x = layer(x).relu()
+        ...     x = sync_fn(x)
+        >>> x.sum().backward()
+    """
+    del double_buffering  # accepted for compatibility
+    if not enabled:
+        identity: Callable[[Any], Any] = lambda x: x  # noqa: E731
+        if manual_synchronization:
+            return contextlib.nullcontext(), identity, None
+        return contextlib.nullcontext(), identity
+    _validate(
+        num_layers,
+        model_layers,
+        offload_activations,
+        offload_weights,
+        manual_synchronization,
+        offload_stream,
+    )
+    synchronizer: OffloadSynchronizer
+    if manual_synchronization:
+        synchronizer = ManualOffloadSynchronizer(
+            model_layers,
+            retain_pinned_cpu_buffers,
+            offload_stream,
+            device=device,
+            min_offload_numel=min_offload_numel,
+        )
+    else:
+        synchronizer = DefaultOffloadSynchronizer(
+            model_layers,
+            num_layers,  # type: ignore[arg-type]  # validated by the synchronizer
+            retain_pinned_cpu_buffers,
+            device=device,
+            min_offload_numel=min_offload_numel,
+        )
+    context = OffloadContext(synchronizer)
+    if manual_synchronization:
+        return context, context.sync_fn, synchronizer
+    return context, context.sync_fn

@@ -1,0 +1,253 @@
+"""The one module that talks to accelerator runtimes.
+
+Everything else in cpu_offload asks a :class:`DeviceBackend` for streams, events,
+copies and host buffers, and never names ``torch.cuda``, ``torch.npu`` or
+``torch.xpu`` itself.  Accelerators that follow the CUDA-style stream/event API
+(CUDA, Ascend NPU through ``torch_npu``, Intel XPU) share one implementation,
+:class:`StreamBackend`; a machine without one gets :class:`HostBackend`, whose
+copies are synchronous.  ``cpu_offload.testing.strict_streams`` installs a
+simulated backend through :func:`override_host_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DeviceBackend",
+    "HostBackend",
+    "StreamBackend",
+    "available_device_type",
+    "get_backend",
+    "override_host_backend",
+]
+
+# Accelerators with a CUDA-like runtime module: torch.<name>.Stream, .Event, ...
+_STREAM_DEVICE_TYPES = ("cuda", "npu", "xpu")
+
+
+class DeviceBackend:
+    """Streams, events, copies and memory statistics of one device.
+
+    Attributes:
+        device: the device whose tensors are offloaded.
+        pin_memory: whether host buffers are page-locked.
+    """
+
+    device: torch.device
+    pin_memory: bool = False
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def new_stream(self) -> Any:
+        raise NotImplementedError
+
+    def current_stream(self) -> Any:
+        raise NotImplementedError
+
+    def new_event(self) -> Any:
+        raise NotImplementedError
+
+    def record_event(self, stream: Any | None = None) -> Any:
+        """Record a new event on ``stream`` (default: the current stream)."""
+        event = self.new_event()
+        event.record(self.current_stream() if stream is None else stream)
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        stream.wait_stream(other)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
+        """Copy ``src`` into ``dst``, ordered on ``stream``, without blocking the host."""
+        raise NotImplementedError
+
+    def empty_host(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer with the shape and dtype of ``like`` (pinned where supported)."""
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_memory)
+
+    def empty_device(self, like: torch.Tensor) -> torch.Tensor:
+        """A device tensor with the shape and dtype of ``like``, on the current stream."""
+        return torch.empty(like.shape, dtype=like.dtype, device=self.device)
+
+    def before_handoff(self, tensor: torch.Tensor, label: str = "") -> None:
+        """Called when a reloaded tensor is handed back to autograd (a testing hook)."""
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def memory_allocated(self) -> int | None:
+        """Bytes allocated on the device, or ``None`` where the device does not report it."""
+        return None
+
+    def max_memory_allocated(self) -> int | None:
+        return None
+
+    def reset_peak_memory_stats(self) -> None:
+        return None
+
+
+class _HostStream:
+    """Stream of the host backend: work runs at once, so waits are no-ops."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _HostEvent:
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class HostBackend(DeviceBackend):
+    """No accelerator: "device" tensors are CPU tensors and copies are synchronous.
+
+    The schedule is the same as on an accelerator, and offloaded tensors still go
+    into separate host buffers, so every code path runs on a CPU-only machine.
+    """
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self._stream = _HostStream()
+
+    def new_stream(self) -> Any:
+        return _HostStream()
+
+    def current_stream(self) -> Any:
+        return self._stream
+
+    def new_event(self) -> Any:
+        return _HostEvent()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
+        dst.copy_(src)
+
+    def synchronize(self) -> None:
+        return None
+
+
+class StreamBackend(DeviceBackend):
+    """An accelerator with a CUDA-style runtime module (``torch.cuda``, ``torch.npu``, ...)."""
+
+    pin_memory = True
+
+    def __init__(self, device: torch.device, runtime: Any) -> None:
+        if device.index is None:
+            device = torch.device(device.type, runtime.current_device())
+        self.device = device
+        self._runtime = runtime
+
+    def new_stream(self) -> Any:
+        return self._runtime.Stream(device=self.device)
+
+    def current_stream(self) -> Any:
+        return self._runtime.current_stream(self.device)
+
+    def new_event(self) -> Any:
+        return self._runtime.Event()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
+        with self._runtime.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def synchronize(self) -> None:
+        self._runtime.synchronize(self.device)
+
+    def memory_allocated(self) -> int | None:
+        return int(self._runtime.memory_allocated(self.device))
+
+    def max_memory_allocated(self) -> int | None:
+        return int(self._runtime.max_memory_allocated(self.device))
+
+    def reset_peak_memory_stats(self) -> None:
+        self._runtime.reset_peak_memory_stats(self.device)
+
+
+_host_backend_factory: contextvars.ContextVar[Callable[[], DeviceBackend] | None] = (
+    contextvars.ContextVar("cpu_offload_host_backend_factory", default=None)
+)
+
+
+@contextlib.contextmanager
+def override_host_backend(factory: Callable[[], DeviceBackend]) -> Iterator[None]:
+    """Within the block, ``get_backend("cpu")`` returns ``factory()`` (used by testing)."""
+    token = _host_backend_factory.set(factory)
+    try:
+        yield
+    finally:
+        _host_backend_factory.reset(token)
+
+
+def _runtime_module(device_type: str) -> Any:
+    if device_type == "npu" and "torch_npu" not in sys.modules:
+        try:
+            importlib.import_module("torch_npu")
+        except ImportError as error:
+            raise RuntimeError(
+                "cpu_offload: device 'npu' needs the torch_npu package and Ascend CANN; "
+                "install them (pip install 'cpu-offload[npu]') or choose another device."
+            ) from error
+    return getattr(torch, device_type)
+
+
+def available_device_type() -> str:
+    """The best accelerator type PyTorch can use here, or ``"cpu"``.
+
+    ``torch_npu`` is never imported here: an NPU is found only when the user has
+    imported it already.
+    """
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        current = accelerator.current_accelerator()
+        if current is not None and current.type in _STREAM_DEVICE_TYPES:
+            return current.type
+    for device_type in _STREAM_DEVICE_TYPES:
+        if device_type == "npu" and "torch_npu" not in sys.modules:
+            continue
+        runtime = getattr(torch, device_type, None)
+        if runtime is not None and runtime.is_available():
+            return device_type
+    return "cpu"
+
+
+def get_backend(device: torch.device | str | None = None) -> DeviceBackend:
+    """The backend for ``device``; ``None`` picks the best available device."""
+    device = torch.device(available_device_type() if device is None else device)
+    if device.type == "cpu":
+        factory = _host_backend_factory.get()
+        return factory() if factory is not None else HostBackend()
+    if device.type not in _STREAM_DEVICE_TYPES:
+        raise ValueError(
+            f"cpu_offload: unsupported device {device}; expected one of "
+            f"{('cpu',) + _STREAM_DEVICE_TYPES}."
+        )
+    runtime = _runtime_module(device.type)
+    if not runtime.is_available():
+        raise RuntimeError(
+            f"cpu_offload: device {device} was requested but torch.{device.type} "
+            "reports no available device."
+        )
+    return StreamBackend(device, runtime)

@@ -1,0 +1,31 @@
+"""Counters of what an offloader did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["OffloadStats"]
+
+
+@dataclass
+class OffloadStats:
+    """Running totals kept by a synchronizer.
+
+    Attributes:
+        tensors_offloaded: device-to-host copies issued.
+        bytes_offloaded: bytes copied device to host.
+        tensors_reloaded: host-to-device copies issued.
+        bytes_reloaded: bytes copied host to device.
+        on_demand_reloads: layers reloaded by a pop because no reload was scheduled.
+        forward_passes: forward passes started.
+    """
+
+    tensors_offloaded: int = 0
+    bytes_offloaded: int = 0
+    tensors_reloaded: int = 0
+    bytes_reloaded: int = 0
+    on_demand_reloads: int = 0
+    forward_passes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,310 @@
+"""Synchronizers: the policy that decides when each layer offloads and reloads.
+
+A synchronizer counts layers as their forwards start (``fwd_step``) and as
+backward reaches them (``bwd_step``), and drives the layer states of the forward
+pass they belong to.  It holds finished forward passes only weakly: a pass lives
+as long as its autograd graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .device import DeviceBackend, get_backend
+from .errors import CpuOffloadError
+from .forward_pass import ForwardPass
+from .host_buffers import HostBufferPool
+from .layer_state import LayerState, OffloadableLayerState
+from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
+from .stats import OffloadStats
+
+__all__ = ["DefaultOffloadSynchronizer", "ManualOffloadSynchronizer", "OffloadSynchronizer"]
+
+PassRef = ForwardPass | int | None
+
+
+def _check_model_layers(num_layers: object) -> None:
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"cpu_offload: model_layers must be an int >= 1, got {num_layers!r}.")
+
+
+class OffloadSynchronizer:
+    """Tracks forward passes and layers; offloads nothing by itself.
+
+    Args:
+        num_layers: layers per forward pass (``model_layers``).
+        retain_pinned_cpu_buffers: keep host buffers for the next iteration.
+        offload_stream: stream for all copies; a new one by default.
+        device: device whose tensors are offloaded; the best available by default.
+        min_offload_numel: smaller saved tensors stay on the device.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        retain_pinned_cpu_buffers: bool = False,
+        offload_stream: Any = None,
+        *,
+        device: torch.device | str | None = None,
+        min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
+    ) -> None:
+        _check_model_layers(num_layers)
+        if not isinstance(min_offload_numel, int) or min_offload_numel < 0:
+            raise ValueError(
+                f"cpu_offload: min_offload_numel must be an int >= 0, got {min_offload_numel!r}."
+            )
+        self.num_layers = num_layers
+        self.backend: DeviceBackend = get_backend(device)
+        self.offload_stream = (
+            offload_stream if offload_stream is not None else self.backend.new_stream()
+        )
+        self.host_buffers = HostBufferPool(self.backend, retain_pinned_cpu_buffers)
+        self.min_offload_numel = min_offload_numel
+        self.stats = OffloadStats()
+        self._current: ForwardPass | None = None  # forward in progress (held strongly)
+        self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
+
+    # ------------------------------------------------------------ passes
+
+    def _new_pass(self) -> ForwardPass:
+        def make_state(layer: int, name: str) -> OffloadableLayerState:
+            return OffloadableLayerState(
+                layer,
+                self.backend,
+                self.offload_stream,
+                self.host_buffers,
+                self.min_offload_numel,
+                self.stats,
+                name,
+            )
+
+        forward_pass = ForwardPass(self.num_layers, make_state)
+        self._passes = [ref for ref in self._passes if ref() is not None]
+        self._passes.append(weakref.ref(forward_pass))
+        self.stats.forward_passes += 1
+        return forward_pass
+
+    def in_flight_passes(self) -> list[ForwardPass]:
+        """Forward passes whose graphs are alive, oldest first."""
+        alive = [ref() for ref in self._passes]
+        return [p for p in alive if p is not None]
+
+    def resolve_pass(self, forward_pass: PassRef = None) -> ForwardPass:
+        """A pass given as object or index; ``None`` means the latest one."""
+        if isinstance(forward_pass, ForwardPass):
+            return forward_pass
+        passes = self.in_flight_passes()
+        if forward_pass is None:
+            if passes:
+                return passes[-1]
+        else:
+            for candidate in passes:
+                if candidate.index == forward_pass:
+                    return candidate
+        raise CpuOffloadError(
+            f"cpu_offload: no forward pass {'in flight' if forward_pass is None else forward_pass}"
+            f" (in flight: {[p.index for p in passes]}). A pass lives while its autograd "
+            "graph does: call the sync function on each layer's output, and address a "
+            "pass before its backward has finished."
+        )
+
+    @property
+    def layer_states(self) -> list[OffloadableLayerState]:
+        """Layer states of the latest forward pass."""
+        return self.resolve_pass().layer_states
+
+    @property
+    def current_pass(self) -> ForwardPass | None:
+        """The pass whose forward is in progress, if any."""
+        return self._current
+
+    def layer_is_offloaded(self, layer: int) -> bool:
+        """Whether this synchronizer may offload ``layer`` (hooks are installed for it)."""
+        return True
+
+    # --------------------------------------------------------- forward
+
+    def fwd_step(self) -> int:
+        """Called as a layer's forward starts; returns that layer's index."""
+        if self._current is None or self._current.forward_done:
+            self._current = self._new_pass()
+        forward_pass = self._current
+        layer = forward_pass.layers_forwarded
+        forward_pass.layers_forwarded += 1
+        self._on_forward(forward_pass, layer)
+        return layer
+
+    def fwd_end(self) -> None:
+        """Called as a layer's forward ends; the last layer hands the pass to its graph."""
+        if self._current is not None and self._current.forward_done:
+            self._current = None
+
+    def abort_forward(self) -> None:
+        """Discard the pass in progress (an exception escaped a layer)."""
+        forward_pass, self._current = self._current, None
+        if forward_pass is not None:
+            forward_pass.release_all()
+            self._passes = [ref for ref in self._passes if ref() is not forward_pass]
+
+    def push_tensor(self, tensor: Any) -> Any:
+        """Hand a saved tensor to the layer whose forward is in progress."""
+        if self._current is None:
+            raise CpuOffloadError("cpu_offload: push_tensor called outside a layer's forward.")
+        layer = self._current.layers_forwarded - 1
+        return self._current.layer_states[layer].push_tensor(tensor)
+
+    def pop_tensor(self, handle: Any) -> Any:
+        """Give back a saved tensor (the handle knows its layer)."""
+        from .layer_state import unpack_saved
+
+        return unpack_saved(handle)
+
+    def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
+        """Policy hook: the forward of ``layer`` starts."""
+
+    # -------------------------------------------------------- backward
+
+    def bwd_step(self, layer: int, forward_pass: PassRef = None) -> None:
+        """Called as backward reaches ``layer`` (before its backward runs)."""
+        forward_pass = self.resolve_pass(forward_pass)
+        previous = forward_pass.previous_bwd_layer
+        if previous is not None and previous != layer:
+            forward_pass.layer_states[previous].release_all_memory()
+        forward_pass.previous_bwd_layer = layer
+        self._on_backward(forward_pass, layer)
+
+    def finish_part_of_bwd(self, forward_pass: PassRef = None) -> None:
+        """Called once at the end of each backward call: release the last layer."""
+        forward_pass = self.resolve_pass(forward_pass)
+        forward_pass.finish_queued = False
+        previous = forward_pass.previous_bwd_layer
+        if previous is not None:
+            forward_pass.layer_states[previous].release_all_memory()
+        forward_pass.previous_bwd_layer = None
+
+    def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
+        """Policy hook: backward reaches ``layer``."""
+
+    # ------------------------------------------------------------ queries
+
+    def get_offloaded_total_size_mb(self) -> float:
+        """MiB of offloaded data in host memory now, over all passes in flight."""
+        return sum(p.get_offloaded_total_size_mb() for p in self.in_flight_passes())
+
+
+class DefaultOffloadSynchronizer(OffloadSynchronizer):
+    """Offloads layers ``0..k-1`` of every pass on a fixed schedule.
+
+    At the forward of layer ``j`` the offload of layer ``j - 1`` starts and layer
+    ``i`` is released when ``j == L - k + i``; at the backward of layer ``j`` the
+    reload of layer ``i`` starts when ``j == L - 1 - k + i``.  The device then holds
+    at most ``L - k`` layers' activations at the end of the forward pass.
+
+    Args:
+        num_layers: layers per forward pass (``L``).
+        num_offloaded_layers: layers to offload (``k``), ``0 <= k <= L - 1``.
+        retain_pinned_cpu_buffers, device, min_offload_numel: as for
+            :class:`OffloadSynchronizer`.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_offloaded_layers: int,
+        retain_pinned_cpu_buffers: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
+    ) -> None:
+        _check_model_layers(num_layers)
+        if (
+            not isinstance(num_offloaded_layers, int)
+            or not 0 <= num_offloaded_layers <= num_layers - 1
+        ):
+            raise ValueError(
+                "cpu_offload: num_layers (layers to offload) must be an int with "
+                f"0 <= num_layers <= model_layers - 1 = {num_layers - 1}, got "
+                f"num_layers={num_offloaded_layers!r}, model_layers={num_layers}. The last "
+                "layer is never offloaded; use manual_synchronization=True for other schedules."
+            )
+        super().__init__(
+            num_layers,
+            retain_pinned_cpu_buffers,
+            device=device,
+            min_offload_numel=min_offload_numel,
+        )
+        self.num_offloaded_layers = k = num_offloaded_layers
+        self.release_schedule: defaultdict[int, list[int]] = defaultdict(list)
+        self.reload_schedule: defaultdict[int, list[int]] = defaultdict(list)
+        for layer in range(k):
+            self.release_schedule[num_layers - k + layer].append(layer)
+            self.reload_schedule[num_layers - 1 - k + layer].append(layer)
+
+    def layer_is_offloaded(self, layer: int) -> bool:
+        return layer < self.num_offloaded_layers
+
+    def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
+        states = forward_pass.layer_states
+        if layer >= 1 and self.layer_is_offloaded(layer - 1):
+            states[layer - 1].start_offload()
+        for released in self.release_schedule[layer]:
+            states[released].release_activation_forward_gpu_memory()
+
+    def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
+        for reloaded in self.reload_schedule[layer]:
+            state = forward_pass.layer_states[reloaded]
+            if state.state is LayerState.OFFLOAD_FINISHED:
+                state.start_reload()
+
+
+class ManualOffloadSynchronizer(OffloadSynchronizer):
+    """Nothing happens by itself: the user calls the three transitions.
+
+    A layer none of them was called for keeps its tensors on the device. Each
+    method takes an optional ``forward_pass`` (a :class:`ForwardPass` or its index);
+    by default the latest pass in flight is used.
+
+    Example:
+        >>> from cpu_offload import get_cpu_offload_context
+        >>> import torch
+        >>> layers = [torch.nn.Linear(64, 64) for _ in range(3)]
+        >>> ctx, sync_fn, controller = get_cpu_offload_context(
+        ...     True, model_layers=3, manual_synchronization=True, min_offload_numel=0)
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> for i, layer in enumerate(layers):
+        ...     with ctx:
+        ...         x = layer(x).relu()
+        ...     x = sync_fn(x)
+        ...     controller.start_offload_layer(i)
+        >>> for i in range(3):
+        ...     controller.release_activation_forward_gpu_memory(i)
+        >>> for i in reversed(range(3)):
+        ...     controller.start_reload_layer(i)
+        >>> x.sum().backward()
+    """
+
+    def start_offload_layer(self, layer_id: int, forward_pass: PassRef = None) -> None:
+        """Queue the copies of a layer's saved tensors to the host."""
+        self._state(layer_id, forward_pass).start_offload()
+
+    def release_activation_forward_gpu_memory(
+        self, layer_id: int, forward_pass: PassRef = None
+    ) -> None:
+        """Drop the layer's device tensors once their copies have finished."""
+        self._state(layer_id, forward_pass).release_activation_forward_gpu_memory()
+
+    def start_reload_layer(self, layer_id: int, forward_pass: PassRef = None) -> None:
+        """Queue the copies of a layer's tensors back to the device."""
+        self._state(layer_id, forward_pass).start_reload()
+
+    def _state(self, layer_id: int, forward_pass: PassRef) -> OffloadableLayerState:
+        if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
+            raise ValueError(
+                f"cpu_offload: layer_id must be an int in [0, {self.num_layers - 1}], "
+                f"got {layer_id!r}."
+            )
+        return self.resolve_pass(forward_pass).layer_states[layer_id]

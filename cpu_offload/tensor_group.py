@@ -1,0 +1,115 @@
+"""Tensor groups: what a layer copies, and the processing that shrinks it.
+
+Before a layer's tensors are copied to the host, :class:`TensorGroupProcessor`
+replaces views by their base and copies each distinct tensor once; after reload it
+undoes both steps, so that every popped tensor has the values, shape, stride,
+storage offset and dtype that were pushed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .marks import marks_of
+
+__all__ = ["GroupLayout", "TensorGroup", "TensorGroupProcessor", "offloads_through_base"]
+
+ViewSpec = tuple[torch.Size, tuple[int, ...], int]
+
+
+@dataclass
+class TensorGroup:
+    """Tensors of one layer, with one event per tensor.
+
+    Attributes:
+        tensor_list: the tensors.
+        events: for tensors on the device before offload, the event after which they
+            may be read; after reload, the event after which they are filled.
+        aux: the :class:`GroupLayout` needed to undo group processing.
+    """
+
+    tensor_list: list[torch.Tensor] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)
+    aux: GroupLayout | None = None
+
+    def append(self, tensor: torch.Tensor, event: Any) -> int:
+        self.tensor_list.append(tensor)
+        self.events.append(event)
+        return len(self.tensor_list) - 1
+
+    def __len__(self) -> int:
+        return len(self.tensor_list)
+
+
+@dataclass
+class GroupLayout:
+    """How a processed group maps back to the pushed tensors.
+
+    Attributes:
+        views: per pushed position, ``(shape, stride, storage_offset)`` of the view
+            that was replaced by its base, or ``None``.
+        source_index: per pushed position, the index of its unique tensor.
+    """
+
+    views: list[ViewSpec | None]
+    source_index: list[int]
+
+
+def offloads_through_base(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view that is copied through its base.
+
+    True when the user marked it with ``start_offload(..., offload_base_tensor=True)``
+    or when the base has exactly as many elements (a pure re-stride).
+    """
+    base = tensor._base
+    if base is None:
+        return False
+    marks = marks_of(tensor)
+    if marks is not None and marks.offload_base:
+        return True
+    return base.numel() == tensor.numel()
+
+
+class TensorGroupProcessor:
+    """Group processing before offload and its undo after reload."""
+
+    @staticmethod
+    def process_before_offload(group: TensorGroup) -> TensorGroup:
+        """Views to bases, then one entry per distinct tensor; returns a new group."""
+        views: list[ViewSpec | None] = []
+        source_index: list[int] = []
+        unique = TensorGroup()
+        index_of: dict[int, int] = {}
+        for tensor, event in zip(group.tensor_list, group.events):
+            if offloads_through_base(tensor):
+                views.append((tensor.shape, tensor.stride(), tensor.storage_offset()))
+                tensor = tensor._base
+            else:
+                views.append(None)
+            key = id(tensor)
+            if key in index_of:
+                # Keep the latest ready event: the copy waits for every push.
+                unique.events[index_of[key]] = event
+            else:
+                index_of[key] = unique.append(tensor, event)
+            source_index.append(index_of[key])
+        unique.aux = GroupLayout(views=views, source_index=source_index)
+        return unique
+
+    @staticmethod
+    def process_after_reload(group: TensorGroup) -> TensorGroup:
+        """Undo :meth:`process_before_offload` on the reloaded group."""
+        layout = group.aux
+        if layout is None:
+            raise ValueError("TensorGroupProcessor: the group has no layout to undo.")
+        restored = TensorGroup(aux=layout)
+        for position, index in enumerate(layout.source_index):
+            tensor = group.tensor_list[index]
+            view = layout.views[position]
+            if view is not None:
+                tensor = tensor.as_strided(*view)
+            restored.append(tensor, group.events[index])
+        return restored

@@ -1,0 +1,108 @@
+"""Models and training loops shared by the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpu_offload import get_cpu_offload_context, start_offload
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: LayerNorm, causal SDPA attention, LayerNorm, GELU MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = MLPBlock(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        start_offload(q, k, v, offload_base_tensor=True)  # one copy of the qkv output
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(batch, seq, width))
+        return self.mlp(self.norm2(x))
+
+
+def make_layers(kind: str, num_layers: int, width: int, dtype: torch.dtype) -> nn.ModuleList:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        layers = [MLPBlock(width) for _ in range(num_layers)]
+    else:
+        layers = [TransformerLayer(width, heads=4) for _ in range(num_layers)]
+    return nn.ModuleList(layers).to(dtype)
+
+
+def make_input(kind: str, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (16, width) if kind == "mlp" else (2, 16, width)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def forward(
+    layers: Sequence[nn.Module], x: torch.Tensor, ctx: Any = None, sync_fn: Callable | None = None
+) -> torch.Tensor:
+    for layer in layers:
+        if ctx is None:
+            x = layer(x)
+        else:
+            with ctx:
+                x = layer(x)
+            x = sync_fn(x)
+    return x
+
+
+def gradients(
+    layers: nn.ModuleList,
+    kind: str,
+    width: int,
+    dtype: torch.dtype,
+    *,
+    offloaded: int | None,
+    iterations: int = 3,
+    micro_batches: int = 1,
+    min_offload_numel: int = 0,
+) -> list[torch.Tensor]:
+    """Parameter gradients after ``iterations`` steps (no optimizer), each step
+    accumulating over ``micro_batches``; ``offloaded=None`` runs without offload."""
+    ctx = sync_fn = None
+    if offloaded is not None:
+        ctx, sync_fn = get_cpu_offload_context(
+            True, offloaded, len(layers), min_offload_numel=min_offload_numel
+        )
+    results = []
+    for step in range(iterations):
+        layers.zero_grad(set_to_none=True)
+        for micro in range(micro_batches):
+            x = make_input(kind, width, dtype, seed=100 * step + micro).requires_grad_()
+            out = forward(layers, x, ctx, sync_fn)
+            (out.float().square().mean() / micro_batches).backward()
+        results.extend(p.grad.clone() for p in layers.parameters())
+    return results
+
+
+def assert_bit_identical(expected: list[torch.Tensor], actual: list[torch.Tensor]) -> None:
+    assert len(expected) == len(actual)
+    for index, (a, b) in enumerate(zip(expected, actual)):
+        assert a.dtype == b.dtype and a.shape == b.shape, index
+        assert torch.equal(a, b), f"gradient {index} differs (max abs diff {(a - b).abs().max()})"

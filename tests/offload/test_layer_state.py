@@ -1,0 +1,203 @@
+"""The per-layer state machine: legal and illegal transitions, round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_offload import LayerState, OffloadableLayerState, OffloadStateError
+from cpu_offload.device import get_backend
+from cpu_offload.host_buffers import HostBufferPool
+from cpu_offload.layer_state import unpack_saved
+
+S = LayerState
+
+
+def make_state(retain: bool = False, min_numel: int = 0, index: int = 3) -> OffloadableLayerState:
+    backend = get_backend("cpu")
+    return OffloadableLayerState(
+        index, backend, backend.new_stream(), HostBufferPool(backend, retain), min_numel
+    )
+
+
+def test_legal_cycle_twice(streams):
+    state = make_state()
+    for _ in range(2):
+        x = torch.randn(64, 8)
+        handle = state.push_tensor(x)
+        assert handle is not x and state.state is S.NOT_OFFLOADED
+        state.start_offload()
+        assert state.state is S.OFFLOAD_STARTED
+        state.release_activation_forward_gpu_memory()
+        assert state.state is S.OFFLOAD_FINISHED
+        assert state.get_offloaded_total_size_mb() == x.numel() * 4 / 2**20
+        state.start_reload()
+        assert state.state is S.RELOAD_STARTED
+        y = state.pop_tensor(handle)
+        assert y is not x and torch.equal(x, y)
+        state.release_all_memory()
+        assert state.state is S.NOT_OFFLOADED
+        assert state.get_offloaded_total_size_mb() == 0
+
+
+@pytest.mark.parametrize("reached", list(S), ids=lambda s: s.name)
+def test_release_all_from_every_state(streams, reached):
+    state = make_state()
+    x = torch.randn(64, 8)
+    handle = state.push_tensor(x)
+    steps = [state.start_offload, state.release_activation_forward_gpu_memory, state.start_reload]
+    for step in steps[: list(S).index(reached)]:
+        step()
+    assert state.state is reached
+    state.release_all_memory()
+    assert state.state is S.NOT_OFFLOADED
+    with pytest.raises(OffloadStateError, match="used after the layer's memory was released"):
+        state.pop_tensor(handle)
+
+
+ILLEGAL = [
+    ("push_tensor", S.OFFLOAD_STARTED),
+    ("push_tensor", S.OFFLOAD_FINISHED),
+    ("push_tensor", S.RELOAD_STARTED),
+    ("start_offload", S.OFFLOAD_STARTED),
+    ("start_offload", S.OFFLOAD_FINISHED),
+    ("start_offload", S.RELOAD_STARTED),
+    ("release_activation_forward_gpu_memory", S.NOT_OFFLOADED),
+    ("release_activation_forward_gpu_memory", S.OFFLOAD_FINISHED),
+    ("release_activation_forward_gpu_memory", S.RELOAD_STARTED),
+    ("start_reload", S.NOT_OFFLOADED),
+    ("start_reload", S.OFFLOAD_STARTED),
+    ("start_reload", S.RELOAD_STARTED),
+]
+
+
+@pytest.mark.parametrize("operation,reached", ILLEGAL, ids=lambda v: getattr(v, "name", v))
+def test_illegal_transition_raises(streams, operation, reached):
+    state = make_state(index=3)
+    state.push_tensor(torch.randn(64, 8))
+    steps = [state.start_offload, state.release_activation_forward_gpu_memory, state.start_reload]
+    for step in steps[: list(S).index(reached)]:
+        step()
+    args = (torch.randn(4),) if operation == "push_tensor" else ()
+    with pytest.raises(OffloadStateError) as info:
+        getattr(state, operation)(*args)
+    message = str(info.value)
+    assert "layer 3" in message and reached.name in message
+    assert operation in message and "needs one of" in message
+    assert state.state is reached  # nothing changed
+
+
+def test_copies_stay_out_of_the_autograd_graph(streams):
+    state = make_state()
+    x = torch.randn(64, 8, requires_grad=True) * 2
+    handle = state.push_tensor(x)
+    state.start_offload()
+    assert not any(buffer.requires_grad for buffer in state._host)
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    assert state.pop_tensor(handle).grad_fn is None
+
+
+def test_pop_before_offload_and_while_offloading_returns_device_tensor(streams):
+    state = make_state()
+    x = torch.randn(64, 8)
+    handle = state.push_tensor(x)
+    assert state.pop_tensor(handle) is x
+    state.start_offload()
+    assert state.pop_tensor(handle) is x
+
+
+def test_pop_without_scheduled_reload_reloads_on_demand(streams):
+    state = make_state()
+    x = torch.randn(64, 8)
+    handle = state.push_tensor(x)
+    state.start_offload()
+    state.release_activation_forward_gpu_memory()
+    with pytest.warns(UserWarning, match="reloaded now"):
+        y = state.pop_tensor(handle)
+    assert torch.equal(x, y) and state.state is S.RELOAD_STARTED
+    assert state.stats.on_demand_reloads == 1
+
+
+VIEWS = {
+    "contiguous": lambda: torch.randn(32, 16),
+    "transposed_restride": lambda: torch.randn(16, 32).t(),
+    "offset_slice_contiguous": lambda: torch.randn(40, 16)[3:35],
+    "int64": lambda: torch.randint(-5, 5, (32, 16)),
+    "bool": lambda: torch.randn(32, 16) > 0,
+    "bf16": lambda: torch.randn(32, 16, dtype=torch.bfloat16),
+    "fp16_3d": lambda: torch.randn(4, 8, 16, dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_round_trip_is_exact(streams, name):
+    state = make_state()
+    x = VIEWS[name]()
+    handle = state.push_tensor(x)
+    state.start_offload()
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    y = state.pop_tensor(handle)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert y.stride() == x.stride()
+    # A contiguous slice is copied by itself and comes back at offset 0 (keeping the
+    # offset would cost that many extra device elements); views copied through their
+    # base keep theirs.
+    assert y.storage_offset() == (0 if name == "offset_slice_contiguous" else x.storage_offset())
+    assert torch.equal(x, y)
+    assert state.num_offloaded_tensors == 1
+
+
+class _TwoPart:
+    """A test double of the quantized-tensor protocol: a big and a small component."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        self.data, self.scale = data, scale
+
+    def prepare_for_saving(self):
+        saved, self.data, self.scale = [self.data, None, self.scale], None, None
+        return saved, self
+
+    def restore_from_saved(self, tensors):
+        self.data, _, self.scale = tensors[:3]
+        return tensors[3:]
+
+
+def test_saving_protocol_components_offloaded_by_the_rules(streams):
+    state = make_state(min_numel=100)
+    data, scale = torch.randn(64, 8), torch.tensor([0.5])
+    handle = state.push_tensor(_TwoPart(data, scale))
+    assert state.num_offloaded_tensors == 0  # counted at offload
+    state.start_offload()
+    assert state.num_offloaded_tensors == 1  # the scale stays
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    rebuilt = unpack_saved(handle)
+    assert isinstance(rebuilt, _TwoPart)
+    assert torch.equal(rebuilt.data, data) and rebuilt.data is not data
+    assert rebuilt.scale is scale
+
+
+def test_saving_protocol_with_nothing_to_offload_keeps_object(streams):
+    state = make_state(min_numel=10**6)
+    obj = _TwoPart(torch.randn(64, 8), torch.tensor([0.5]))
+    assert state.push_tensor(obj) is obj
+    assert obj.data is not None  # restored after the decomposition
+
+
+def test_retained_buffers_are_reused_and_shape_change_is_an_error(streams):
+    state = make_state(retain=True)
+    pool = state.host_buffers
+    for _ in range(2):
+        handle = state.push_tensor(torch.randn(64, 8))
+        state.start_offload()
+        state.release_activation_forward_gpu_memory()
+        state.start_reload()
+        state.pop_tensor(handle)
+        state.release_all_memory()
+    assert pool.allocations == 1
+    state.push_tensor(torch.randn(32, 8))
+    with pytest.raises(Exception, match=r"retain_pinned_cpu_buffers=True .* layer 3") as info:
+        state.start_offload()
+    assert "(64, 8)" in str(info.value) and "(32, 8)" in str(info.value)

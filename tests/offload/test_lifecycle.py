@@ -1,0 +1,131 @@
+"""Evaluation, errors, dropped graphs, second backward, several passes in flight."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from helpers import assert_bit_identical, forward, make_input, make_layers
+
+from cpu_offload import CpuOffloadError, LayerState, OffloadStateError, get_cpu_offload_context
+
+WIDTH = 32
+
+
+def test_evaluation_under_no_grad(streams):
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+    x = make_input("mlp", WIDTH, torch.float32, 0)
+    with torch.no_grad():
+        expected = forward(layers, x)
+        for _ in range(3):
+            actual = forward(layers, x, ctx, sync_fn)
+            assert torch.equal(expected, actual)
+    synchronizer = ctx.offload_synchronizer
+    assert synchronizer.stats.tensors_offloaded == 0
+    assert synchronizer.get_offloaded_total_size_mb() == 0
+
+
+def test_exception_in_layer_2_of_4_then_clean_iteration(streams):
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+    x = make_input("mlp", WIDTH, torch.float32, 0).requires_grad_()
+
+    class Boom(Exception):
+        pass
+
+    h = x
+    with pytest.raises(Boom):
+        for index, layer in enumerate(layers):
+            with ctx:
+                h = layer(h)
+                if index == 2:
+                    raise Boom
+            h = sync_fn(h)
+    synchronizer = ctx.offload_synchronizer
+    assert synchronizer.current_pass is None
+    assert synchronizer.get_offloaded_total_size_mb() == 0
+    with pytest.raises(OffloadStateError, match="after the layer's memory was released"):
+        h.sum().backward()  # the partial graph of the failed pass is discarded
+
+    layers.zero_grad()
+    forward(layers, x).square().mean().backward()
+    expected = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    forward(layers, x, ctx, sync_fn).square().mean().backward()
+    assert_bit_identical(expected, [p.grad.clone() for p in layers.parameters()])
+    assert synchronizer.stats.tensors_offloaded > 0
+
+
+def test_graph_dropped_without_backward_frees_host_buffers(streams):
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+    x = make_input("mlp", WIDTH, torch.float32, 0).requires_grad_()
+    out = forward(layers, x, ctx, sync_fn)
+    synchronizer = ctx.offload_synchronizer
+    (forward_pass,) = synchronizer.in_flight_passes()
+    states = forward_pass.layer_states
+    host = [weakref.ref(buffer) for state in states for buffer in state._host]
+    assert len(host) > 0 and synchronizer.get_offloaded_total_size_mb() > 0
+    pass_ref = weakref.ref(forward_pass)
+    del forward_pass, states, out
+    gc.collect()
+    assert pass_ref() is None
+    assert all(ref() is None for ref in host)
+    assert synchronizer.in_flight_passes() == []
+    assert synchronizer.get_offloaded_total_size_mb() == 0
+
+
+def test_second_backward_through_released_activations_is_an_error(streams):
+    layers = make_layers("mlp", 3, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 1, 3, min_offload_numel=0)
+    x = make_input("mlp", WIDTH, torch.float32, 0).requires_grad_()
+    loss = forward(layers, x, ctx, sync_fn).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(OffloadStateError, match="do not call backward twice"):
+        loss.backward()
+
+
+def test_two_passes_in_flight_then_backwards(streams):
+    """Two micro-batches forward, then both backwards (F0 F1 B0 B1)."""
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    inputs = [make_input("mlp", WIDTH, torch.float32, s).requires_grad_() for s in (1, 2)]
+    for x in inputs:
+        forward(layers, x).square().mean().backward()
+    expected = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+    outs = [forward(layers, x, ctx, sync_fn) for x in inputs]
+    synchronizer = ctx.offload_synchronizer
+    passes = synchronizer.in_flight_passes()
+    assert len(passes) == 2 and passes[0].layer_states[0] is not passes[1].layer_states[0]
+    assert all(p.layer_states[0].state is LayerState.OFFLOAD_FINISHED for p in passes)
+    for out in outs:
+        out.square().mean().backward()
+    assert_bit_identical(expected, [p.grad.clone() for p in layers.parameters()])
+    assert synchronizer.get_offloaded_total_size_mb() == 0
+
+
+def test_many_iterations_do_not_accumulate_state(streams):
+    layers = make_layers("mlp", 3, 8, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(
+        True, 2, 3, min_offload_numel=0, retain_pinned_cpu_buffers=True
+    )
+    synchronizer = ctx.offload_synchronizer
+    for step in range(200):
+        x = make_input("mlp", 8, torch.float32, step).requires_grad_()
+        forward(layers, x, ctx, sync_fn).sum().backward()
+        if step == 0:
+            first_step_allocations = synchronizer.host_buffers.allocations
+    assert synchronizer.in_flight_passes() == []  # no gc.collect: no reference cycles
+    assert len(synchronizer._passes) <= 1
+    assert first_step_allocations == 2 * 3  # two layers, three saved tensors each
+    assert synchronizer.host_buffers.allocations == first_step_allocations
+
+
+def test_unknown_pass_index_is_an_error():
+    ctx, sync_fn = get_cpu_offload_context(True, 1, 2)
+    with pytest.raises(CpuOffloadError, match="no forward pass 12345"):
+        ctx.offload_synchronizer.resolve_pass(12345)
