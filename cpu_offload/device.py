@@ -74,12 +74,14 @@ class DeviceBackend:
         raise NotImplementedError
 
     def empty_host(self, like: torch.Tensor) -> torch.Tensor:
-        """A host buffer with the shape and dtype of ``like`` (pinned where supported)."""
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_memory)
+        """A host buffer with the shape, strides and dtype of ``like`` (pinned if supported)."""
+        return torch.empty_strided(
+            like.shape, like.stride(), dtype=like.dtype, device="cpu", pin_memory=self.pin_memory
+        )
 
     def empty_device(self, like: torch.Tensor) -> torch.Tensor:
-        """A device tensor with the shape and dtype of ``like``, on the current stream."""
-        return torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        """A device tensor with the shape, strides and dtype of ``like``, on the current stream."""
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
 
     def before_handoff(self, tensor: torch.Tensor, label: str = "") -> None:
         """Called when a reloaded tensor is handed back to autograd (a testing hook)."""

@@ -47,12 +47,12 @@ class HostBufferPool:
     def _check_same_layout(
         layer_index: int, buffers: list[torch.Tensor], tensors: list[torch.Tensor]
     ) -> None:
-        found = [(tuple(t.shape), t.dtype) for t in tensors]
-        expected = [(tuple(b.shape), b.dtype) for b in buffers]
+        found = [(tuple(t.shape), t.stride(), t.dtype) for t in tensors]
+        expected = [(tuple(b.shape), b.stride(), b.dtype) for b in buffers]
         if found != expected:
             raise CpuOffloadError(
                 f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "
-                f"saved tensors with other shapes than in the previous iteration: "
+                f"saved tensors with other (shape, stride, dtype) than in the previous iteration: "
                 f"expected {expected}, found {found}. Keep shapes (sequence length, batch "
                 "size) fixed between iterations, or pass retain_pinned_cpu_buffers=False."
             )

@@ -12,7 +12,7 @@ import torch
 from .marks import marks_of
 from .tensor_group import offloads_through_base
 
-__all__ = ["DEFAULT_MIN_OFFLOAD_NUMEL", "is_offloadable", "warn_once_per_call_site"]
+__all__ = ["DEFAULT_MIN_OFFLOAD_NUMEL", "is_dense", "is_offloadable", "warn_once_per_call_site"]
 
 #: Tensors with fewer elements stay on the device: a copy this small costs more
 #: in launch latency than it saves in memory (256 Ki elements, 512 KiB in bf16).
@@ -53,6 +53,23 @@ def _is_traced(tensor: torch.Tensor) -> bool:
     return is_fake(tensor) or torch._is_functional_tensor(tensor)
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements of ``tensor`` fill a block of memory exactly once.
+
+    Contiguous tensors and permutations of them (a transposed SDPA output, say)
+    are dense; such a tensor is copied with its own strides, exactly.
+    """
+    expected = 1
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s != 1),
+        key=lambda pair: pair[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def is_offloadable(tensor: object, device_type: str, min_numel: int) -> bool:
     """Whether a saved tensor is copied to the host (all rules of SPEC section 3).
 
@@ -72,15 +89,14 @@ def is_offloadable(tensor: object, device_type: str, min_numel: int) -> bool:
     if _is_traced(tensor):
         return False
     if offloads_through_base(tensor):
-        base = tensor._base
-        if base.is_contiguous():
+        if is_dense(tensor._base):
             return True
-    elif tensor.is_contiguous():
+    elif is_dense(tensor):
         return True
     warn_once_per_call_site(
         f"cpu_offload: a non-contiguous saved tensor of shape {tuple(tensor.shape)} "
-        "is not a view of a tensor that can be offloaded through its base; it stays on "
-        "the device. Call start_offload(t, offload_base_tensor=True) on it, or make it "
-        "contiguous before it is saved, to offload it."
+        f"(stride {tensor.stride()}) is not a view that can be offloaded through its "
+        "base; it stays on the device. Call start_offload(t, offload_base_tensor=True) "
+        "on it, or make it contiguous before it is saved, to offload it."
     )
     return False

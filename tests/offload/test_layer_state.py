@@ -127,6 +127,9 @@ VIEWS = {
     "bool": lambda: torch.randn(32, 16) > 0,
     "bf16": lambda: torch.randn(32, 16, dtype=torch.bfloat16),
     "fp16_3d": lambda: torch.randn(4, 8, 16, dtype=torch.float16),
+    "dense_permuted_no_base": lambda: (
+        torch.randn(2, 16, 4, 8).transpose(1, 2).clone(memory_format=torch.preserve_format)
+    ),
 }
 
 

@@ -94,3 +94,18 @@ def test_skip_warning_is_shown_once_per_call_site_not_per_step(streams, monkeypa
     skipped = [w for w in caught if "non-contiguous" in str(w.message)]
     assert len(skipped) == 1
     assert skipped[0].filename == __file__
+
+
+def test_dense_permuted_tensor_without_base_keeps_its_strides(streams):
+    x = torch.empty_strided((2, 4, 16, 8), (512, 8, 32, 1)).normal_()
+    assert x._base is None and not x.is_contiguous()
+    popped, copies = offload_and_reload([x])
+    assert copies == 1 and popped[0] is not x
+    assert popped[0].stride() == x.stride() and torch.equal(popped[0], x)
+
+
+def test_is_dense():
+    assert selection.is_dense(torch.randn(3, 4).t())
+    assert selection.is_dense(torch.randn(1, 5)[:, :])
+    assert not selection.is_dense(torch.randn(4, 6)[:, :3])
+    assert not selection.is_dense(torch.randn(4).expand(3, 4))

@@ -1,0 +1,168 @@
+"""The main job: train a small GPT with and without offload and report what changed.
+
+Run ``python -m cpu_offload --help`` for the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .context import get_cpu_offload_context
+from .device import DeviceBackend, get_backend
+from .gpt import GPT, GPTConfig
+from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
+
+__all__ = ["RunResult", "main", "run"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class RunResult:
+    """What one configuration measured."""
+
+    offloaded_layers: int | None  # None: no offload
+    bytes_offloaded_per_step: int
+    peak_memory: int | None
+    end_of_forward_memory: int | None
+    median_step_s: float
+    gradients: list[list[torch.Tensor]]
+
+
+def run(
+    model: GPT,
+    batches: list[torch.Tensor],
+    backend: DeviceBackend,
+    offloaded_layers: int | None,
+    min_offload_numel: int,
+) -> RunResult:
+    """Train a copy of ``model`` on ``batches`` (SGD); record gradients of every step."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    kwargs = {}
+    synchronizer = None
+    if offloaded_layers is not None:
+        with warnings.catch_warnings():
+            # k = layers - 1 is shown on purpose, to see where overlap ends.
+            warnings.filterwarnings("ignore", "cpu_offload: num_layers == model_layers - 1")
+            context, sync_fn = get_cpu_offload_context(
+                True,
+                offloaded_layers,
+                model.config.layers,
+                device=backend.device,
+                min_offload_numel=min_offload_numel,
+            )
+        kwargs = {"context": context, "sync_fn": sync_fn}
+        synchronizer = context.offload_synchronizer
+    gradients, times = [], []
+    peak = end_of_forward = None
+    for tokens in batches:
+        backend.synchronize()
+        backend.reset_peak_memory_stats()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.loss(tokens, **kwargs)
+        end_of_forward = backend.memory_allocated()
+        loss.backward()
+        gradients.append([p.grad.detach().clone() for p in model.parameters()])
+        optimizer.step()
+        backend.synchronize()
+        times.append(time.perf_counter() - start)
+        peak = backend.max_memory_allocated()
+    moved = synchronizer.stats.bytes_offloaded // len(batches) if synchronizer else 0
+    return RunResult(
+        offloaded_layers,
+        moved,
+        peak,
+        end_of_forward,
+        statistics.median(times[1:] or times),
+        gradients,
+    )
+
+
+def _mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:.1f}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cpu_offload",
+        description="Train a small GPT with and without activation offload and compare.",
+    )
+    parser.add_argument("--device", default=None, help="cpu, cuda, npu, xpu (default: best)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument(
+        "--offload",
+        default=None,
+        help="comma-separated numbers of offloaded layers k (default: 1, layers/2, layers-1)",
+    )
+    parser.add_argument("--min-offload-numel", type=int, default=DEFAULT_MIN_OFFLOAD_NUMEL)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.layers < 2:
+        raise SystemExit("python -m cpu_offload: --layers must be at least 2 to offload a layer.")
+    ks = (
+        sorted({1, args.layers // 2, args.layers - 1})
+        if args.offload is None
+        else [int(k) for k in args.offload.split(",")]
+    )
+    backend = get_backend(args.device)
+    torch.manual_seed(args.seed)
+    config = GPTConfig(args.vocab, args.hidden, args.heads, args.layers, args.seq + 1)
+    model = GPT(config).to(device=backend.device, dtype=DTYPES[args.dtype])
+    generator = torch.Generator().manual_seed(args.seed)
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(
+            backend.device
+        )
+        for _ in range(args.steps)
+    ]
+    print(
+        f"cpu_offload demo: device={backend.device} torch={torch.__version__} "
+        f"layers={args.layers} hidden={args.hidden} seq={args.seq} batch={args.batch} "
+        f"dtype={args.dtype} steps={args.steps}"
+    )
+    baseline = run(model, batches, backend, None, args.min_offload_numel)
+    results = [baseline] + [run(model, batches, backend, k, args.min_offload_numel) for k in ks]
+    header = (
+        f"{'device':<8} {'k':>3} {'MiB offloaded/step':>19} {'peak MiB':>9} "
+        f"{'end-of-fwd MiB':>15} {'median step ms':>15} {'grads bit-identical':>20}"
+    )
+    print(header)
+    print("-" * len(header))
+    all_match = True
+    for result in results:
+        match = all(
+            torch.equal(a, b)
+            for step_a, step_b in zip(baseline.gradients, result.gradients)
+            for a, b in zip(step_a, step_b)
+        )
+        all_match &= match
+        k = "-" if result.offloaded_layers is None else str(result.offloaded_layers)
+        print(
+            f"{backend.device.type:<8} {k:>3} {result.bytes_offloaded_per_step / 2**20:>19.2f} "
+            f"{_mib(result.peak_memory):>9} {_mib(result.end_of_forward_memory):>15} "
+            f"{result.median_step_s * 1e3:>15.1f} {'yes' if match else 'NO':>20}"
+        )
+    if backend.memory_allocated() is None:
+        print("(this device does not report memory; run on a GPU to see the savings)")
+    return 0 if all_match else 1
