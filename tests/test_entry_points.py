@@ -1,0 +1,54 @@
+"""The main job and the examples run and report matching gradients."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+from cpu_offload.demo import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_prints_table_and_matches(capsys):
+    code = main(
+        [
+            "--layers",
+            "3",
+            "--hidden",
+            "64",
+            "--seq",
+            "32",
+            "--batch",
+            "2",
+            "--vocab",
+            "128",
+            "--steps",
+            "2",
+            "--min-offload-numel",
+            "0",
+            "--device",
+            "cpu",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("cpu ")]
+    assert len(rows) == 3  # no offload, k=1, k=2
+    assert all(row.rstrip().endswith("yes") for row in rows)
+    offloaded = [float(row.split()[2]) for row in rows]
+    assert offloaded[0] == 0 and 0 < offloaded[1] < offloaded[2]
+
+
+def test_demo_rejects_single_layer():
+    with pytest.raises(SystemExit, match="--layers must be at least 2"):
+        main(["--layers", "1"])
+
+
+def test_basic_example(capsys):
+    runpy.run_path(str(ROOT / "examples" / "basic.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "gradients bit-identical: True" in out
+    assert "offloaded 16.0 MiB in 8 tensors" in out
