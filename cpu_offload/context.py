@@ -124,9 +124,11 @@ class OffloadContext:
         self._hooks: saved_tensors_hooks | None = None
         self._depth_token: contextvars.Token[int] | None = None
         self._inside = False
-        # The pass and layer of the latest forward, for sync_fn (weak: the pass
-        # belongs to its graph).
+        # The pass and layer of the latest forward, for sync_fn. Weak: a pass belongs
+        # to its graph. Strong only for a finished pass that no graph holds yet (one
+        # layer, or sync_fn not called yet), until sync_fn attaches it.
         self._last_pass: weakref.ref[ForwardPass] | None = None
+        self._unattached_pass: ForwardPass | None = None
         self._last_layer: int | None = None
 
     def __enter__(self) -> OffloadContext:
@@ -142,6 +144,7 @@ class OffloadContext:
         if forward_pass is None:  # pragma: no cover - fwd_step always sets it
             raise CpuOffloadError("cpu_offload internal error: no forward pass after fwd_step.")
         self._last_pass = weakref.ref(forward_pass)
+        self._unattached_pass = None
         self._last_layer = layer
         if synchronizer.layer_is_offloaded(layer):
             state = forward_pass.layer_states[layer]
@@ -164,7 +167,10 @@ class OffloadContext:
             self.offload_synchronizer.abort_forward()
             self._last_pass = None
         else:
+            forward_pass = self.offload_synchronizer.current_pass
             self.offload_synchronizer.fwd_end()
+            if forward_pass is not None and not forward_pass.has_backward_hooks:
+                self._unattached_pass = forward_pass
 
     def sync_fn(self, tensor: Any) -> Any:
         """Mark the end of a layer: backward reaching ``tensor`` triggers the schedule.
@@ -196,6 +202,8 @@ class OffloadContext:
             synchronizer.bwd_step(layer, forward_pass)
 
         tensor.grad_fn.register_prehook(on_backward)
+        forward_pass.has_backward_hooks = True
+        self._unattached_pass = None
         return tensor
 
 

@@ -26,6 +26,7 @@ class ForwardPass:
         layers_forwarded: how many layers' forwards have started.
         previous_bwd_layer: the layer whose backward ran last, not yet released.
         finish_queued: whether the end-of-backward callback is queued.
+        has_backward_hooks: whether ``sync_fn`` attached the pass to its graph.
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class ForwardPass:
         self.layers_forwarded = 0
         self.previous_bwd_layer: int | None = None
         self.finish_queued = False
+        self.has_backward_hooks = False  # sync_fn attached it to its graph
 
     @property
     def num_layers(self) -> int:

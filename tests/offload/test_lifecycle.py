@@ -129,3 +129,23 @@ def test_unknown_pass_index_is_an_error():
     ctx, sync_fn = get_cpu_offload_context(True, 1, 2)
     with pytest.raises(CpuOffloadError, match="no forward pass 12345"):
         ctx.offload_synchronizer.resolve_pass(12345)
+
+
+def test_single_layer_pass_survives_until_sync_fn_and_dies_with_its_graph(streams):
+    ctx, sync_fn, controller = get_cpu_offload_context(
+        True, model_layers=1, manual_synchronization=True, min_offload_numel=0
+    )
+    x = torch.randn(16, 16, requires_grad=True)
+    with ctx:
+        y = x.sin()
+    y = sync_fn(y)  # the pass must still exist here
+    controller.start_offload_layer(0)
+    controller.release_activation_forward_gpu_memory(0)
+    controller.start_reload_layer(0)
+    (forward_pass,) = controller.in_flight_passes()
+    pass_ref = weakref.ref(forward_pass)
+    del forward_pass
+    y.sum().backward()
+    assert torch.equal(x.grad, x.detach().cos())
+    del y
+    assert pass_ref() is None

@@ -1,0 +1,137 @@
+"""Planted bugs: each missing synchronisation must be caught by strict_streams()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_offload import OffloadableLayerState, get_cpu_offload_context
+from cpu_offload.host_buffers import HostBufferPool
+from cpu_offload.testing import StreamHazardError, strict_streams
+from helpers import forward, make_input, make_layers
+
+WIDTH = 32
+
+
+def train(layers, offloaded=None, inputs=(1,), retain=False, interleave=False):
+    """Gradients of one step; ``interleave`` runs all forwards before the backwards."""
+    layers.zero_grad(set_to_none=True)
+    ctx = sync_fn = None
+    if offloaded is not None:
+        ctx, sync_fn = get_cpu_offload_context(
+            True, offloaded, len(layers), min_offload_numel=0, retain_pinned_cpu_buffers=retain
+        )
+    xs = [make_input("mlp", WIDTH, torch.float32, seed).requires_grad_() for seed in inputs]
+    if interleave:
+        outs = [forward(layers, x, ctx, sync_fn) for x in xs]
+        for out in outs:
+            out.square().mean().backward()
+    else:
+        for x in xs:
+            forward(layers, x, ctx, sync_fn).square().mean().backward()
+    return [p.grad.clone() for p in layers.parameters()]
+
+
+def test_hazard_pop_without_reload_wait(monkeypatch):
+    original = OffloadableLayerState.pop_tensor
+
+    def pop_without_wait(self, handle):
+        with monkeypatch.context() as patch:
+            patch.setattr(self.backend, "wait_event", lambda stream, event: None)
+            return original(self, handle)
+
+    monkeypatch.setattr(OffloadableLayerState, "pop_tensor", pop_without_wait)
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    with pytest.raises(StreamHazardError, match="handed back to autograd while the copy"):
+        with strict_streams():
+            train(layers, offloaded=2)
+
+
+def test_hazard_release_before_offload_finished(monkeypatch):
+    original_release = OffloadableLayerState.release_activation_forward_gpu_memory
+
+    def release_then_wait(self):
+        finish_event = self._finish_event
+        self._in_flight.detach()  # forget the copies in flight (and what keeps them alive)
+        self._in_flight = None
+        original_release(self)  # drops the device tensors first ...
+        self.backend.wait_event(self.backend.current_stream(), finish_event)  # ... waits after
+
+    monkeypatch.setattr(
+        OffloadableLayerState, "release_activation_forward_gpu_memory", release_then_wait
+    )
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    with pytest.raises(StreamHazardError, match="freed before the copy ran"):
+        with strict_streams():
+            train(layers, offloaded=2)
+
+
+def test_hazard_copy_before_ready_event(monkeypatch):
+    original = OffloadableLayerState.start_offload
+
+    def offload_without_ready_wait(self):
+        with monkeypatch.context() as patch:
+            patch.setattr(self.backend, "wait_event", lambda stream, event: None)
+            return original(self)
+
+    monkeypatch.setattr(OffloadableLayerState, "start_offload", offload_without_ready_wait)
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    with pytest.raises(StreamHazardError, match="missing wait on the tensor's ready event"):
+        with strict_streams():
+            train(layers, offloaded=2)
+
+
+def test_hazard_retained_buffer_shared_by_passes_in_flight(monkeypatch):
+    """A pool that hands a layer's retained buffers to a second pass in flight."""
+    original_acquire = HostBufferPool.acquire
+    shared: dict[int, list[torch.Tensor]] = {}
+
+    def acquire_shared(self, layer_index, tensors):
+        if layer_index not in shared:
+            shared[layer_index] = original_acquire(self, layer_index, tensors)
+        return shared[layer_index]
+
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    expected = train(layers, inputs=(1, 2), interleave=True)
+    monkeypatch.setattr(HostBufferPool, "acquire", acquire_shared)
+    try:
+        with strict_streams():
+            actual = train(layers, 2, inputs=(1, 2), retain=True, interleave=True)
+    except StreamHazardError:
+        return
+    assert not all(torch.equal(a, b) for a, b in zip(expected, actual))
+
+
+def test_hazard_release_all_without_waiting_for_unpopped_reloads(monkeypatch):
+    """Dropping reloaded tensors nobody popped while their copies are queued."""
+    original = OffloadableLayerState.release_all_memory
+
+    def release_without_wait(self):
+        if self.state.name == "RELOAD_STARTED" and self._in_flight is not None:
+            self._in_flight.detach()  # forget the reloads in flight
+            self._in_flight = None
+        return original(self)
+
+    monkeypatch.setattr(OffloadableLayerState, "release_all_memory", release_without_wait)
+    with pytest.raises(StreamHazardError, match="of a queued copy.*was freed before the copy ran"):
+        with strict_streams():
+            ctx, sync_fn, controller = get_cpu_offload_context(
+                True, model_layers=1, manual_synchronization=True, min_offload_numel=0
+            )
+            x = torch.randn(16, 16, requires_grad=True)
+            with ctx:
+                y = x.sin()  # saves x
+            y = sync_fn(y)
+            controller.start_offload_layer(0)
+            controller.release_activation_forward_gpu_memory(0)
+            controller.start_reload_layer(0)
+            controller.layer_states[0].release_all_memory()  # before any pop
+
+
+def test_the_correct_code_has_no_hazard():
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    expected = train(layers, inputs=(1, 2), interleave=True)
+    with strict_streams() as sim:
+        actual = train(layers, 2, inputs=(1, 2), retain=True, interleave=True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual))
+    assert sim.counters.hazards == 0 and sim.counters.copies_run == sim.counters.copies_queued
