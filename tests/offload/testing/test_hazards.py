@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import forward, make_input, make_layers
 
 from cpu_offload import OffloadableLayerState, get_cpu_offload_context
 from cpu_offload.host_buffers import HostBufferPool
 from cpu_offload.testing import StreamHazardError, strict_streams
-from helpers import forward, make_input, make_layers
 
 WIDTH = 32
 
