@@ -139,7 +139,11 @@ class OffloadContext:
                 "output after the block."
             )
         synchronizer = self.offload_synchronizer
-        layer = synchronizer.fwd_step()
+        try:
+            layer = synchronizer.fwd_step()
+        except BaseException:
+            synchronizer.abort_forward()  # __exit__ will not run: discard the pass here
+            raise
         forward_pass = synchronizer.current_pass
         if forward_pass is None:  # pragma: no cover - fwd_step always sets it
             raise CpuOffloadError("cpu_offload internal error: no forward pass after fwd_step.")

@@ -18,6 +18,8 @@ from cpu_offload import (
     mark_not_offload,
 )
 
+pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+
 
 def test_public_names():
     for name in [

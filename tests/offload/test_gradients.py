@@ -6,6 +6,8 @@ import pytest
 import torch
 from helpers import assert_bit_identical, gradients, make_layers
 
+pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
 

@@ -10,6 +10,8 @@ from cpu_offload.device import get_backend
 from cpu_offload.host_buffers import HostBufferPool
 from cpu_offload.layer_state import unpack_saved
 
+pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+
 S = LayerState
 
 

@@ -11,6 +11,8 @@ from helpers import assert_bit_identical, forward, make_input, make_layers
 
 from cpu_offload import CpuOffloadError, LayerState, OffloadStateError, get_cpu_offload_context
 
+pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+
 WIDTH = 32
 
 
@@ -149,3 +151,23 @@ def test_single_layer_pass_survives_until_sync_fn_and_dies_with_its_graph(stream
     assert torch.equal(x.grad, x.detach().cos())
     del y
     assert pass_ref() is None
+
+
+def test_retained_buffers_with_changed_shape_then_clean_iteration(streams):
+    layers = make_layers("mlp", 3, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(
+        True, 1, 3, min_offload_numel=0, retain_pinned_cpu_buffers=True
+    )
+    x = make_input("mlp", WIDTH, torch.float32, 0).requires_grad_()
+    forward(layers, x, ctx, sync_fn).sum().backward()
+    longer = torch.cat([x, x]).detach().requires_grad_()
+    with pytest.raises(CpuOffloadError, match=r"retain_pinned_cpu_buffers=True .*layer 0"):
+        forward(layers, longer, ctx, sync_fn)  # raised as layer 1 starts the offload of 0
+    synchronizer = ctx.offload_synchronizer
+    assert synchronizer.current_pass is None  # the failed pass was discarded
+    layers.zero_grad()
+    forward(layers, x).sum().backward()
+    expected = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    forward(layers, x, ctx, sync_fn).sum().backward()
+    assert_bit_identical(expected, [p.grad.clone() for p in layers.parameters()])

@@ -7,6 +7,8 @@ import torch
 
 from cpu_offload import CpuOffloadError, LayerState, OffloadStateError, get_cpu_offload_context
 
+pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+
 L = 4
 
 

@@ -7,6 +7,8 @@ import torch
 
 from cpu_offload import OffloadableLayerState, get_cpu_offload_context
 
+pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+
 TRANSITIONS = [
     "start_offload",
     "release_activation_forward_gpu_memory",

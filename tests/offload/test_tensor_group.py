@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cpu_offload import (
@@ -13,6 +14,8 @@ from cpu_offload import (
 )
 from cpu_offload.device import get_backend
 from cpu_offload.host_buffers import HostBufferPool
+
+pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
 
 
 def offload_and_reload(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
