@@ -27,6 +27,7 @@ __all__ = [
     "available_device_type",
     "get_backend",
     "override_host_backend",
+    "supports_fp8_matmul",
 ]
 
 # Accelerators with a CUDA-like runtime module: torch.<name>.Stream, .Event, ...
@@ -253,3 +254,11 @@ def get_backend(device: torch.device | str | None = None) -> DeviceBackend:
             "reports no available device."
         )
     return StreamBackend(device, runtime)
+
+
+def supports_fp8_matmul(device: torch.device | str) -> bool:
+    """Whether ``torch._scaled_mm`` runs FP8 matmuls on ``device`` (CUDA, compute 8.9+)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
