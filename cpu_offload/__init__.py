@@ -21,6 +21,7 @@ from .context import (
 )
 from .errors import CpuOffloadError, OffloadStateError
 from .forward_pass import ForwardPass
+from .layer_hooks import OffloadLayersHandle, offload_layers
 from .layer_state import LayerState, OffloadableLayerState
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .stats import OffloadStats
@@ -43,6 +44,7 @@ __all__ = [
     "OffloadContext",
     "OffloadSynchronizer",
     "OffloadStateError",
+    "OffloadLayersHandle",
     "OffloadStats",
     "OffloadableLayerState",
     "TensorGroup",
@@ -51,5 +53,6 @@ __all__ = [
     "is_cpu_offload_enabled",
     "mark_activation_offload",
     "mark_not_offload",
+    "offload_layers",
     "start_offload",
 ]

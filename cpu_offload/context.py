@@ -131,6 +131,11 @@ class OffloadContext:
         self._unattached_pass: ForwardPass | None = None
         self._last_layer: int | None = None
 
+    @property
+    def active(self) -> bool:
+        """Whether a layer's forward is inside this context now."""
+        return self._inside
+
     def __enter__(self) -> OffloadContext:
         if self._inside:
             raise CpuOffloadError(

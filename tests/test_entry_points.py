@@ -52,3 +52,19 @@ def test_basic_example(capsys):
     out = capsys.readouterr().out
     assert "gradients bit-identical: True" in out
     assert "offloaded 16.0 MiB in 8 tensors" in out
+
+
+def test_megatron_style_example(capsys, monkeypatch):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "megatron_style", ROOT / "examples" / "megatron_style.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "megatron_style", module)  # for its dataclass
+    spec.loader.exec_module(module)
+    assert module.main(["--steps", "2"]) == 0  # default sizes: above the threshold
+    out = capsys.readouterr().out
+    assert "gradients bit-identical: True" in out
+    assert float(out.split(" MiB offloaded")[0].split()[-1]) > 0
