@@ -15,6 +15,8 @@ import contextlib
 import contextvars
 import importlib
 import sys
+import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,6 +86,15 @@ class DeviceBackend:
         """A device tensor with the shape, strides and dtype of ``like``, on the current stream."""
         return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
 
+    def timing_event(self) -> Any:
+        """An event that can measure elapsed time (``record``, ``elapsed_time``)."""
+        return _HostTimingEvent()
+
+    @contextlib.contextmanager
+    def count_host_syncs(self) -> Iterator[list[int] | None]:
+        """Count host synchronisations inside the block (``None``: not measurable)."""
+        yield None
+
     def before_handoff(self, tensor: torch.Tensor, label: str = "") -> None:
         """Called when a reloaded tensor is handed back to autograd (a testing hook)."""
 
@@ -123,6 +134,25 @@ class _HostEvent:
 
     def query(self) -> bool:
         return True
+
+
+class _HostTimingEvent:
+    """Wall-clock event: on the host, work is done when it is issued."""
+
+    def __init__(self) -> None:
+        self.time: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: _HostTimingEvent) -> float:
+        """Milliseconds from this event to ``end``."""
+        if self.time is None or end.time is None:
+            raise RuntimeError("elapsed_time: both events must be recorded first.")
+        return (end.time - self.time) * 1e3
 
 
 class HostBackend(DeviceBackend):
@@ -178,6 +208,26 @@ class StreamBackend(DeviceBackend):
 
     def synchronize(self) -> None:
         self._runtime.synchronize(self.device)
+
+    def timing_event(self) -> Any:
+        return self._runtime.Event(enable_timing=True)
+
+    @contextlib.contextmanager
+    def count_host_syncs(self) -> Iterator[list[int] | None]:
+        """Counts the synchronising calls the runtime's sync debug mode reports."""
+        set_mode = getattr(self._runtime, "set_sync_debug_mode", None)
+        if set_mode is None:
+            yield None
+            return
+        count = [0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            set_mode("warn")
+            try:
+                yield count
+            finally:
+                set_mode("default")
+                count[0] = sum("synchroniz" in str(w.message) for w in caught)
 
     def memory_allocated(self) -> int | None:
         return int(self._runtime.memory_allocated(self.device))

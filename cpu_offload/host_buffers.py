@@ -12,21 +12,39 @@ from .errors import CpuOffloadError
 __all__ = ["HostBufferPool"]
 
 
+Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _layout(tensor: torch.Tensor) -> Layout:
+    return tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+
 class HostBufferPool:
     """Hands out host buffers to layers and takes them back after backward.
 
-    With ``retain=False`` every offload allocates fresh buffers, and buffers are
-    dropped when the layer releases them.  With ``retain=True`` the buffers of a
-    layer are kept after its backward and handed to the same layer of a later
-    forward pass; shapes and dtypes must then stay the same.  A layer index keeps
-    one set of buffers per forward pass in flight at once, so a pipeline schedule
-    with several passes in flight never shares a buffer between them.
+    Pinned allocations are slow and may synchronize the device, so buffers are
+    reused:
+
+    * ``retain=False`` (default): a released buffer goes to a cache keyed by
+      (shape, stride, dtype) and serves any later offload of that layout, so a
+      steady-state training step allocates nothing.  :meth:`empty_cache` frees it.
+    * ``retain=True``: the buffers of a layer are kept as a set and handed to the
+      same layer of a later forward pass; its layouts must then stay the same (an
+      error says which changed), as CUDA graph capture needs fixed addresses.
+
+    Buffers are only reused after the layer released them, which happens after its
+    reloads were waited for; a layer index keeps one set per forward pass in
+    flight, so passes in flight never share a buffer.
+
+    Attributes:
+        allocations: host buffers allocated so far (cache misses).
     """
 
     def __init__(self, backend: DeviceBackend, retain: bool) -> None:
         self._backend = backend
         self.retain = retain
         self._free: defaultdict[int, list[list[torch.Tensor]]] = defaultdict(list)
+        self._cache: defaultdict[Layout, list[torch.Tensor]] = defaultdict(list)
         self.allocations = 0
 
     def acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -35,20 +53,43 @@ class HostBufferPool:
             buffers = self._free[layer_index].pop()
             self._check_same_layout(layer_index, buffers, tensors)
             return buffers
-        self.allocations += len(tensors)
-        return [self._backend.empty_host(tensor) for tensor in tensors]
+        buffers = []
+        for tensor in tensors:
+            cached = None if self.retain else self._cache.get(_layout(tensor))
+            if cached:
+                buffers.append(cached.pop())
+            else:
+                self.allocations += 1
+                buffers.append(self._backend.empty_host(tensor))
+        return buffers
 
     def release(self, layer_index: int, buffers: list[torch.Tensor]) -> None:
-        """Give back the buffers of ``layer_index`` (kept only when retaining)."""
-        if self.retain and buffers:
+        """Give back the buffers of ``layer_index`` once their data is no longer needed."""
+        if not buffers:
+            return
+        if self.retain:
             self._free[layer_index].append(buffers)
+            return
+        for buffer in buffers:
+            self._cache[_layout(buffer)].append(buffer)
+
+    def cached_bytes(self) -> int:
+        """Bytes of host memory held for reuse."""
+        sets = [b for group in self._free.values() for buffers in group for b in buffers]
+        cached = [b for group in self._cache.values() for b in group]
+        return sum(b.numel() * b.element_size() for b in sets + cached)
+
+    def empty_cache(self) -> None:
+        """Free the buffers held for reuse."""
+        self._free.clear()
+        self._cache.clear()
 
     @staticmethod
     def _check_same_layout(
         layer_index: int, buffers: list[torch.Tensor], tensors: list[torch.Tensor]
     ) -> None:
-        found = [(tuple(t.shape), t.stride(), t.dtype) for t in tensors]
-        expected = [(tuple(b.shape), b.stride(), b.dtype) for b in buffers]
+        found = [_layout(t) for t in tensors]
+        expected = [_layout(b) for b in buffers]
         if found != expected:
             raise CpuOffloadError(
                 f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .copy_timer import CopyTimer
 from .device import DeviceBackend
 from .errors import OffloadStateError
 from .host_buffers import HostBufferPool
@@ -107,6 +108,7 @@ class OffloadableLayerState:
         min_offload_numel: smaller tensors stay on the device.
         stats: counters to update.
         name: how messages name this layer.
+        copy_timer: records timing events around the copies (benchmarks).
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class OffloadableLayerState:
         min_offload_numel: int,
         stats: OffloadStats | None = None,
         name: str | None = None,
+        copy_timer: CopyTimer | None = None,
     ) -> None:
         self.layer_index = layer_index
         self.name = name or f"layer {layer_index}"
@@ -126,6 +129,7 @@ class OffloadableLayerState:
         self.host_buffers = host_buffers
         self.min_offload_numel = min_offload_numel
         self.stats = stats if stats is not None else OffloadStats()
+        self.copy_timer = copy_timer
         self.state = LayerState.NOT_OFFLOADED
         self.generation = 0
         self._pushed = TensorGroup()  # device tensors as pushed, one per handle
@@ -215,11 +219,18 @@ class OffloadableLayerState:
         self._unique = TensorGroupProcessor.process_before_offload(self._pushed)
         self._host = self.host_buffers.acquire(self.layer_index, self._unique.tensor_list)
         stream = self.offload_stream
-        for host, tensor, ready in zip(self._host, self._unique.tensor_list, self._unique.events):
+        for ready in self._unique.events:  # every copy after its tensor's ready event
             self.backend.wait_event(stream, ready)
+        timer = self.copy_timer
+        start = timer.start(stream) if timer is not None else None
+        nbytes = 0
+        for host, tensor in zip(self._host, self._unique.tensor_list):
             self.backend.copy(host, tensor, stream, self.name)
-            self.stats.tensors_offloaded += 1
-            self.stats.bytes_offloaded += host.numel() * host.element_size()
+            nbytes += host.numel() * host.element_size()
+        self.stats.tensors_offloaded += len(self._host)
+        self.stats.bytes_offloaded += nbytes
+        if timer is not None:
+            timer.stop("d2h", nbytes, start, stream)
         self._finish_event = self.backend.record_event(stream)
         self._guard([self._finish_event], [*self._unique.tensor_list, *self._host])
 
@@ -243,11 +254,17 @@ class OffloadableLayerState:
         targets = [backend.empty_device(host) for host in self._host]
         backend.wait_stream(stream, backend.current_stream())
         group = TensorGroup(aux=self._unique.aux)
+        timer = self.copy_timer
+        start = timer.start(stream) if timer is not None else None
+        nbytes = 0
         for target, host in zip(targets, self._host):
             backend.copy(target, host, stream, self.name)
             group.append(target, backend.record_event(stream))
-            self.stats.tensors_reloaded += 1
-            self.stats.bytes_reloaded += host.numel() * host.element_size()
+            nbytes += host.numel() * host.element_size()
+        self.stats.tensors_reloaded += len(targets)
+        self.stats.bytes_reloaded += nbytes
+        if timer is not None:
+            timer.stop("h2d", nbytes, start, stream)
         self._guard(list(group.events), [*group.tensor_list, *self._host])
         self._reloaded = TensorGroupProcessor.process_after_reload(group)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .copy_timer import CopyTimer
 from .device import DeviceBackend, get_backend
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
@@ -65,6 +66,7 @@ class OffloadSynchronizer:
         self.host_buffers = HostBufferPool(self.backend, retain_pinned_cpu_buffers)
         self.min_offload_numel = min_offload_numel
         self.stats = OffloadStats()
+        self.copy_timer: CopyTimer | None = None  # set by benchmarks to time copies
         self._current: ForwardPass | None = None  # forward in progress (held strongly)
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
 
@@ -80,6 +82,7 @@ class OffloadSynchronizer:
                 self.min_offload_numel,
                 self.stats,
                 name,
+                self.copy_timer,
             )
 
         forward_pass = ForwardPass(self.num_layers, make_state)

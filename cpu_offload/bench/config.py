@@ -1,0 +1,131 @@
+"""Benchmark presets and command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
+
+__all__ = ["DTYPES", "PRESETS", "BenchConfig", "parse_args"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+PRESETS: dict[str, dict[str, object]] = {
+    # CPU smoke run, well under a minute on 2 cores.
+    "tiny": dict(
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        ffn=688,
+        seq=512,
+        batch=2,
+        layers=4,
+        dtype="fp32",
+        offload="1,2,3",
+        warmup=1,
+        steps=3,
+    ),
+    # One Llama-3-8B layer's shapes, a stack of 8.
+    "llama8b-layer": dict(
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=14336,
+        seq=4096,
+        batch=1,
+        layers=8,
+        dtype="bf16",
+        offload="1,2,3,4,5,6,7",
+        warmup=3,
+        steps=10,
+    ),
+}
+
+
+@dataclass
+class BenchConfig:
+    preset: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    seq: int
+    batch: int
+    layers: int
+    dtype: str
+    offload: list[int]
+    modes: list[str]
+    warmup: int
+    steps: int
+    device: str | None
+    min_offload_numel: int
+    ceiling_mib: int
+    json: str | None
+    plot: str | None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m cpu_offload.bench",
+        description="Benchmark activation offload against the peers on a Llama-like stack.",
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    for name in ("hidden", "heads", "kv-heads", "ffn", "seq", "batch", "layers", "warmup", "steps"):
+        parser.add_argument(f"--{name}", type=int, default=None)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    parser.add_argument("--offload", default=None, help="comma-separated k values for ours")
+    parser.add_argument(
+        "--modes",
+        default="none,offload,save_on_cpu,checkpoint,torchtune",
+        help="comma-separated: none, offload (one mode per k), offload:K, save_on_cpu, "
+        "checkpoint, torchtune",
+    )
+    parser.add_argument("--device", default=None, help="cpu, cuda, npu, xpu (default: best)")
+    parser.add_argument("--min-offload-numel", type=int, default=DEFAULT_MIN_OFFLOAD_NUMEL)
+    parser.add_argument(
+        "--ceiling-mib",
+        type=int,
+        default=None,
+        help="size of the raw copy that measures the link (default: 1024 on "
+        "an accelerator, 64 on the CPU)",
+    )
+    parser.add_argument("--json", default=None, help="write all figures to this file")
+    parser.add_argument("--plot", default=None, help="write a PNG with the plots")
+    args = parser.parse_args(argv)
+    values = dict(PRESETS[args.preset])
+    for key in (
+        "hidden",
+        "heads",
+        "kv_heads",
+        "ffn",
+        "seq",
+        "batch",
+        "layers",
+        "warmup",
+        "steps",
+        "dtype",
+        "offload",
+    ):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    ks = [int(k) for k in str(values.pop("offload")).split(",") if k]
+    if any(not 0 < k < int(values["layers"]) for k in ks):
+        parser.error(f"--offload values must be in 1..layers-1, got {ks}")
+    modes: list[str] = []
+    for mode in args.modes.split(","):
+        modes.extend(f"offload:{k}" for k in ks) if mode == "offload" else modes.append(mode)
+    return BenchConfig(
+        preset=args.preset,
+        offload=ks,
+        modes=modes,
+        device=args.device,
+        min_offload_numel=args.min_offload_numel,
+        ceiling_mib=args.ceiling_mib or 0,
+        json=args.json,
+        plot=args.plot,
+        **values,  # type: ignore[arg-type]
+    )

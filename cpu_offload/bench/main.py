@@ -1,0 +1,107 @@
+"""Runs every mode on one model and one set of inputs, then reports."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..device import get_backend
+from ..llama import LlamaConfig, LlamaLayer
+from .config import DTYPES, BenchConfig, parse_args
+from .measure import ModeResult, measure_ceiling, measure_mode
+from .modes import make_mode
+from .report import print_table, write_json, write_plot
+
+__all__ = ["main", "run_benchmark"]
+
+
+def run_benchmark(config: BenchConfig) -> tuple[list[ModeResult], dict[str, float], dict]:
+    backend = get_backend(config.device)
+    dtype = DTYPES[config.dtype]
+    torch.manual_seed(0)
+    layer_config = LlamaConfig(
+        config.hidden, config.heads, config.kv_heads, config.ffn, config.layers
+    )
+    layers = torch.nn.ModuleList(LlamaLayer(layer_config) for _ in range(config.layers)).to(
+        backend.device, dtype
+    )
+    generator = torch.Generator().manual_seed(1)
+    inputs = [
+        torch.randn(config.batch, config.seq, config.hidden, generator=generator)
+        .to(backend.device, dtype)
+        .requires_grad_()
+        for _ in range(config.warmup + config.steps)
+    ]
+    environment = {
+        "device": str(backend.device),
+        "device_name": _device_name(backend.device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "command": "python -m cpu_offload.bench " + " ".join(sys.argv[1:]),
+    }
+    results = []
+    for number, name in enumerate(config.modes, 1):
+        began = time.perf_counter()
+        print(f"[{number}/{len(config.modes)}] {name} ...", end="", flush=True)
+        mode = make_mode(name, config.layers, backend, config.min_offload_numel)
+        results.append(measure_mode(mode, layers, inputs, backend, config.warmup))
+        note = results[-1].skipped or f"{time.perf_counter() - began:.1f} s"
+        print(f" {note}", flush=True)
+        del mode
+    ceiling_mib = config.ceiling_mib or (64 if backend.device.type == "cpu" else 1024)
+    ceiling = measure_ceiling(backend, ceiling_mib * 2**20)
+    _derive(results, config.layers)
+    return results, ceiling, environment
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cpu":
+        return platform.processor() or platform.machine()
+    runtime: Any = getattr(torch, device.type)
+    return str(runtime.get_device_name(device))
+
+
+def _derive(results: list[ModeResult], layers: int) -> None:
+    """Overhead and memory figures against the ``none`` mode."""
+    base = next((r for r in results if r.mode == "none" and not r.skipped), None)
+    if base is None:
+        return
+    per_layer = None
+    if base.end_of_forward_bytes is not None and base.baseline_bytes is not None:
+        per_layer = (base.end_of_forward_bytes - base.baseline_bytes) / layers
+    for r in results:
+        if r.skipped:
+            continue
+        r.overhead_pct = 100 * (r.median_step_ms / base.median_step_ms - 1)
+        if r.end_of_forward_bytes is not None and base.end_of_forward_bytes is not None:
+            r.memory_saved_bytes = base.end_of_forward_bytes - r.end_of_forward_bytes
+        if r.mode.startswith("offload:") and per_layer is not None:
+            k = int(r.mode.split(":")[1])
+            r.analytic_end_of_forward_bytes = int(r.baseline_bytes + (layers - k) * per_layer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    results, ceiling, environment = run_benchmark(config)
+    print(
+        f"\n{environment['device']} ({environment['device_name']}), torch "
+        f"{environment['torch']}, preset {config.preset}: {config.layers} layers, hidden "
+        f"{config.hidden}, seq {config.seq}, batch {config.batch}, {config.dtype}"
+    )
+    print_table(results, ceiling)
+    if config.json:
+        write_json(config.json, environment, config, results, ceiling)
+        print(f"figures written to {config.json}")
+    if config.plot:
+        title = (
+            f"{environment['device_name']}, torch {environment['torch']}: {environment['command']}"
+        )
+        reason = write_plot(config.plot, results, title)
+        print(f"plot not written: {reason}" if reason else f"plot written to {config.plot}")
+    return 0

@@ -1,0 +1,108 @@
+"""The ways of running a stack of layers that the benchmark compares."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..context import get_cpu_offload_context
+from ..copy_timer import CopyTimer
+from ..device import DeviceBackend
+
+__all__ = ["Mode", "make_mode"]
+
+Boundary = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Mode:
+    """Runs the layers one way. ``skip_reason`` is set when the mode cannot run here."""
+
+    name = "none"
+    skip_reason: str | None = None
+    synchronizer: Any = None
+    copy_timer: CopyTimer | None = None
+
+    def forward(self, layers: Any, x: torch.Tensor, boundary: Boundary) -> torch.Tensor:
+        with self.around_forward():
+            for layer in layers:
+                x = boundary(self.call(layer, x))
+        return x
+
+    def call(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+    def around_forward(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+class OffloadMode(Mode):
+    def __init__(self, k: int, layers: int, backend: DeviceBackend, min_numel: int) -> None:
+        self.name = f"offload:{k}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # k = layers - 1 is measured on purpose
+            self.context, self.sync_fn = get_cpu_offload_context(
+                True, k, layers, device=backend.device, min_offload_numel=min_numel
+            )
+        self.synchronizer = self.context.offload_synchronizer
+        self.copy_timer = self.synchronizer.copy_timer = CopyTimer(backend)
+
+    def call(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        with self.context:
+            x = layer(x)
+        return self.sync_fn(x)
+
+
+class SaveOnCpuMode(Mode):
+    name = "save_on_cpu"
+
+    def __init__(self, backend: DeviceBackend) -> None:
+        self.pin = backend.pin_memory
+
+    def around_forward(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.pin)
+
+
+class CheckpointMode(Mode):
+    name = "checkpoint"
+
+    def call(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(layer, x, use_reentrant=False)
+
+
+class TorchtuneMode(Mode):
+    name = "torchtune"
+
+    def __init__(self, backend: DeviceBackend) -> None:
+        try:
+            from torchtune.training import OffloadActivations  # type: ignore[import-not-found]
+        except ImportError as error:
+            self.skip_reason = f"torchtune is not importable ({error}); pip install torchtune"
+            return
+        self._factory = lambda: OffloadActivations(use_streams=backend.device.type == "cuda")
+
+    @contextlib.contextmanager
+    def around_forward(self) -> Iterator[None]:
+        with self._factory():
+            yield
+
+
+def make_mode(name: str, layers: int, backend: DeviceBackend, min_numel: int) -> Mode:
+    if name == "none":
+        return Mode()
+    if name.startswith("offload:"):
+        return OffloadMode(int(name.split(":", 1)[1]), layers, backend, min_numel)
+    if name == "save_on_cpu":
+        return SaveOnCpuMode(backend)
+    if name == "checkpoint":
+        return CheckpointMode()
+    if name == "torchtune":
+        return TorchtuneMode(backend)
+    raise ValueError(
+        f"cpu_offload.bench: unknown mode {name!r}; expected none, offload:K, save_on_cpu, "
+        "checkpoint or torchtune."
+    )
