@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 __all__ = ["OffloadStats"]
 
@@ -26,6 +26,3 @@ class OffloadStats:
     bytes_reloaded: int = 0
     on_demand_reloads: int = 0
     forward_passes: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -27,7 +27,7 @@ import itertools
 import weakref
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,9 +67,6 @@ class StreamCounters:
     synchronizations: int = 0
     handoffs: int = 0
     hazards: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _describe(tensor: torch.Tensor | None, label: str, shape: Any = None, dtype: Any = None) -> str:

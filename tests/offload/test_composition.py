@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bit_identical, make_input, make_layers
+from helpers import assert_bit_identical, forward, make_input, make_layers
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import get_cpu_offload_context
@@ -15,14 +15,7 @@ L, K = 4, 2
 def run(fns, layers, ctx=None, sync_fn=None, device="cpu"):
     layers.zero_grad(set_to_none=True)
     x = make_input("mlp", 32, torch.float32, 0).to(device).requires_grad_()
-    for fn in fns:
-        if ctx is None:
-            x = fn(x)
-        else:
-            with ctx:
-                x = fn(x)
-            x = sync_fn(x)
-    x.square().mean().backward()
+    forward(fns, x, ctx, sync_fn).square().mean().backward()
     return [p.grad.clone() for p in layers.parameters()]
 
 

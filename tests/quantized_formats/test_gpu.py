@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import forward
 
 from cpu_offload import get_cpu_offload_context
 from cpu_offload.device import supports_fp8_matmul
@@ -12,19 +13,16 @@ from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 pytestmark = pytest.mark.gpu
 
 
+def tanh_after(layers):
+    return [lambda h, layer=layer: torch.tanh(layer(h)) for layer in layers]
+
+
 def run(layers, x, offloaded):
     ctx = sync_fn = None
     if offloaded:
         ctx, sync_fn = get_cpu_offload_context(True, offloaded, len(layers))
     layers.zero_grad(set_to_none=True)
-    h = x
-    for layer in layers:
-        if ctx is None:
-            h = torch.tanh(layer(h))
-        else:
-            with ctx:
-                h = torch.tanh(layer(h))
-            h = sync_fn(h)
+    h = forward(tanh_after(layers), x, ctx, sync_fn)
     h.float().square().mean().backward()
     return [p.grad.clone() for p in layers.parameters()], ctx
 

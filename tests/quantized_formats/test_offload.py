@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bit_identical
+from helpers import assert_bit_identical, forward
 
 from cpu_offload import get_cpu_offload_context
 from quantized import Float8Quantizer, Float8Tensor, MXFP8Quantizer, QuantizedLinear
@@ -18,6 +18,10 @@ QUANTIZERS = {
     "mxfp8-col": lambda: MXFP8Quantizer(columnwise=True),
 }
 L, WIDTH, ROWS = 4, 64, 64
+
+
+def tanh_after(layers):
+    return [lambda x, layer=layer: torch.tanh(layer(x)) for layer in layers]
 
 
 def make_stack(name: str) -> torch.nn.ModuleList:
@@ -38,14 +42,7 @@ def run(layers, offloaded, iterations=2, min_offload_numel=1024):
         layers.zero_grad(set_to_none=True)
         x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(step))
         x.requires_grad_()
-        for layer in layers:
-            if ctx is None:
-                x = torch.tanh(layer(x))
-            else:
-                with ctx:
-                    x = torch.tanh(layer(x))
-                x = sync_fn(x)
-        x.square().mean().backward()
+        forward(tanh_after(layers), x, ctx, sync_fn).square().mean().backward()
         grads.extend(p.grad.clone() for p in layers.parameters())
     return grads, ctx
 

@@ -32,15 +32,20 @@ def train(layers, offloaded=None, inputs=(1,), retain=False, interleave=False):
     return [p.grad.clone() for p in layers.parameters()]
 
 
-def test_hazard_pop_without_reload_wait(monkeypatch):
-    original = OffloadableLayerState.pop_tensor
+def without_event_waits(monkeypatch, method_name):
+    """Plant a bug: ``OffloadableLayerState.<method_name>`` skips every event wait."""
+    original = getattr(OffloadableLayerState, method_name)
 
-    def pop_without_wait(self, handle):
+    def buggy(self, *args):
         with monkeypatch.context() as patch:
             patch.setattr(self.backend, "wait_event", lambda stream, event: None)
-            return original(self, handle)
+            return original(self, *args)
 
-    monkeypatch.setattr(OffloadableLayerState, "pop_tensor", pop_without_wait)
+    monkeypatch.setattr(OffloadableLayerState, method_name, buggy)
+
+
+def test_hazard_pop_without_reload_wait(monkeypatch):
+    without_event_waits(monkeypatch, "pop_tensor")
     layers = make_layers("mlp", 4, WIDTH, torch.float32)
     with pytest.raises(StreamHazardError, match="handed back to autograd while the copy"):
         with strict_streams():
@@ -67,14 +72,7 @@ def test_hazard_release_before_offload_finished(monkeypatch):
 
 
 def test_hazard_copy_before_ready_event(monkeypatch):
-    original = OffloadableLayerState.start_offload
-
-    def offload_without_ready_wait(self):
-        with monkeypatch.context() as patch:
-            patch.setattr(self.backend, "wait_event", lambda stream, event: None)
-            return original(self)
-
-    monkeypatch.setattr(OffloadableLayerState, "start_offload", offload_without_ready_wait)
+    without_event_waits(monkeypatch, "start_offload")
     layers = make_layers("mlp", 4, WIDTH, torch.float32)
     with pytest.raises(StreamHazardError, match="missing wait on the tensor's ready event"):
         with strict_streams():

@@ -148,23 +148,28 @@ def legal_schedules(draw):
     return kinds, schedule
 
 
-def _weights(count):
-    return [torch.full((1,), 0.5 + 0.1 * i).requires_grad_() for i in range(count)]
+def compare_to_no_offload(kinds, **offload):
+    """Run without offload, then with ``offload`` under strict_streams; check grads.
+
+    Returns both saved-tensor logs and the outcomes of the manual calls.
+    """
+    weights = [torch.full((1,), 0.5 + 0.1 * i).requires_grad_() for i in range(len(kinds))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, expected_log, _ = run(kinds, weights, offload=False)
+        with strict_streams() as sim:
+            actual, actual_log, outcomes = run(kinds, weights, **offload)
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual))
+    assert sim.counters.hazards == 0
+    return expected_log, actual_log, outcomes
 
 
 @SETTINGS
 @given(legal_schedules())
 def test_random_legal_manual_schedules_are_bit_exact(case):
     kinds, schedule = case
-    weights = _weights(len(kinds))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected, expected_log, _ = run(kinds, weights, offload=False)
-        with strict_streams() as sim:
-            actual, actual_log, _ = run(kinds, weights, schedule=schedule)
+    expected_log, actual_log, _ = compare_to_no_offload(kinds, schedule=schedule)
     assert actual_log == expected_log  # shapes, strides and dtypes of every saved tensor
-    assert all(torch.equal(a, b) for a, b in zip(expected, actual))
-    assert sim.counters.hazards == 0
 
 
 ACTIONS = ["start_offload_layer", "release_activation_forward_gpu_memory", "start_reload_layer"]
@@ -201,12 +206,5 @@ def test_random_call_orders_raise_exactly_when_illegal(kinds, data):
     calls = data.draw(
         st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, len(kinds) - 1)), max_size=10)
     )
-    weights = _weights(len(kinds))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected, _, _ = run(kinds, weights, offload=False)
-        with strict_streams() as sim:
-            actual, _, outcomes = run(kinds, weights, calls=calls)
+    _, _, outcomes = compare_to_no_offload(kinds, calls=calls)
     assert outcomes == predicted_outcomes(len(kinds), calls)
-    assert all(torch.equal(a, b) for a, b in zip(expected, actual))
-    assert sim.counters.hazards == 0
