@@ -73,12 +73,6 @@ class HostBufferPool:
         for buffer in buffers:
             self._cache[_layout(buffer)].append(buffer)
 
-    def cached_bytes(self) -> int:
-        """Bytes of host memory held for reuse."""
-        sets = [b for group in self._free.values() for buffers in group for b in buffers]
-        cached = [b for group in self._cache.values() for b in group]
-        return sum(b.numel() * b.element_size() for b in sets + cached)
-
     def empty_cache(self) -> None:
         """Free the buffers held for reuse."""
         self._free.clear()
