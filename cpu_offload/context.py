@@ -13,7 +13,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .errors import CpuOffloadError
-from .forward_pass import ForwardPass
+from .forward_pass import ForwardPass, _GraphToken
 from .layer_state import has_saving_protocol, unpack_saved
 from .marks import set_mark
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
@@ -36,6 +36,25 @@ __all__ = [
 _active_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
     "cpu_offload_active_depth", default=0
 )
+
+
+_hooks_disabled_warned = False
+
+
+def _saved_tensors_hooks_enabled() -> bool:
+    """False under torch.func transforms, which refuse saved-tensor hooks; warns once."""
+    global _hooks_disabled_warned
+    if torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return True
+    if not _hooks_disabled_warned:
+        _hooks_disabled_warned = True
+        warnings.warn(
+            "cpu_offload: saved-tensor hooks are disabled here (torch.func transforms such "
+            "as torch.func.grad disable them), so these layers run without offloading. "
+            "This warning is shown once.",
+            stacklevel=4,
+        )
+    return False
 
 
 def is_cpu_offload_enabled() -> bool:
@@ -112,8 +131,41 @@ def mark_activation_offload(*tensors: Any) -> None:
     """Accepted for compatibility with older callers; has no effect."""
 
 
+def _forward_inside_backward() -> bool:
+    """Whether a forward runs inside a backward pass (activation checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _checkpoint_forward_active() -> bool:
+    """Whether torch.utils.checkpoint's saved-tensor hooks are the innermost ones now.
+
+    A layer whose offload hooks sit inside a checkpointed region must leave them
+    alone: the checkpoint saves nothing and recomputes in backward.
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def _queue_end_of_backward(callback: Callable[[], None]) -> bool:
+    """Queue ``callback`` at the end of the running backward; False where that is impossible.
+
+    Compiled autograd accepts engine callbacks only with ``fullgraph=True``; there the
+    release at the end of backward is left to the graph freeing its saved tensors (see
+    NOTE [Lifetime of a layer's data] in layer_state.py).
+    """
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except (AssertionError, RuntimeError):
+        return False
+    return True
+
+
 class OffloadContext:
     """Context entered around each layer's forward; see :func:`get_cpu_offload_context`.
+
+    A forward that runs inside a backward pass (activation checkpointing recomputing
+    a layer) and a forward under ``torch.func`` transforms (which disable saved-tensor
+    hooks) pass through the context untouched: they are not new forward passes.
 
     Attributes:
         offload_synchronizer: the synchronizer that schedules the copies.
@@ -124,9 +176,10 @@ class OffloadContext:
         self._hooks: saved_tensors_hooks | None = None
         self._depth_token: contextvars.Token[int] | None = None
         self._inside = False
+        self._inert = False  # the current (or last) layer forward passes through
         # The pass and layer of the latest forward, for sync_fn. Weak: a pass belongs
-        # to its graph. Strong only for a finished pass that no graph holds yet (one
-        # layer, or sync_fn not called yet), until sync_fn attaches it.
+        # to its graph. Strong from a layer's forward until its sync_fn attaches the
+        # pass to the layer's graph (a graph cut before the layer leaves no other owner).
         self._last_pass: weakref.ref[ForwardPass] | None = None
         self._unattached_pass: ForwardPass | None = None
         self._last_layer: int | None = None
@@ -136,35 +189,62 @@ class OffloadContext:
         """Whether a layer's forward is inside this context now."""
         return self._inside
 
+    @property
+    def inside_context(self) -> bool:
+        """TransformerEngine's name for :attr:`active` (Megatron-Core reads it)."""
+        return self._inside
+
     def __enter__(self) -> OffloadContext:
+        return self.enter_layer()
+
+    def enter_layer(self, skipped: int = 0, new_pass: bool = False) -> OffloadContext:
+        """Enter the context for one layer's forward.
+
+        Args:
+            skipped: layers of the model that did not run before this one in this
+                forward pass (a skipped block); they count as empty layers.
+            new_pass: this layer starts a new forward pass (abandon the one in progress).
+        """
         if self._inside:
             raise CpuOffloadError(
                 "cpu_offload: the offload context was entered again before it was left. "
                 "Use one `with ctx:` block per layer, and call sync_fn on the layer's "
                 "output after the block."
             )
+        self._inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
+        if self._inert:
+            self._inside = True
+            return self
         synchronizer = self.offload_synchronizer
         try:
+            if new_pass:
+                synchronizer.abort_forward()
+            for _ in range(skipped):
+                synchronizer.fwd_step()
+                synchronizer.fwd_end()
             layer = synchronizer.fwd_step()
+            forward_pass = synchronizer.current_pass
+            if forward_pass is None:  # pragma: no cover - fwd_step always sets it
+                raise CpuOffloadError("cpu_offload internal error: no forward pass after fwd_step.")
+            self._last_pass = weakref.ref(forward_pass)
+            self._unattached_pass = forward_pass
+            self._last_layer = layer
+            if synchronizer.layer_is_offloaded(layer) and not _checkpoint_forward_active():
+                state = forward_pass.layer_states[layer]
+                hooks = saved_tensors_hooks(state.push_tensor, unpack_saved)
+                hooks.__enter__()
+                self._hooks = hooks
         except BaseException:
-            synchronizer.abort_forward()  # __exit__ will not run: discard the pass here
+            synchronizer.abort_forward()  # __exit__ will not run: leave no pass in progress
             raise
-        forward_pass = synchronizer.current_pass
-        if forward_pass is None:  # pragma: no cover - fwd_step always sets it
-            raise CpuOffloadError("cpu_offload internal error: no forward pass after fwd_step.")
-        self._last_pass = weakref.ref(forward_pass)
-        self._unattached_pass = None
-        self._last_layer = layer
-        if synchronizer.layer_is_offloaded(layer):
-            state = forward_pass.layer_states[layer]
-            self._hooks = saved_tensors_hooks(state.push_tensor, unpack_saved)
-            self._hooks.__enter__()
         self._depth_token = _active_depth.set(_active_depth.get() + 1)
         self._inside = True
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
         self._inside = False
+        if self._inert:
+            return
         if self._depth_token is not None:
             _active_depth.reset(self._depth_token)
             self._depth_token = None
@@ -172,14 +252,11 @@ class OffloadContext:
             self._hooks.__exit__(exc_type, exc, traceback)
             self._hooks = None
         if exc_type is not None:
-            # Leave nothing half done: the next forward starts a fresh pass.
+            # The next forward starts a fresh pass; the partial graph keeps what it
+            # saved, so a backward through it computes what it would without offload.
             self.offload_synchronizer.abort_forward()
-            self._last_pass = None
         else:
-            forward_pass = self.offload_synchronizer.current_pass
             self.offload_synchronizer.fwd_end()
-            if forward_pass is not None and not forward_pass.has_backward_hooks:
-                self._unattached_pass = forward_pass
 
     def sync_fn(self, tensor: Any) -> Any:
         """Mark the end of a layer: backward reaching ``tensor`` triggers the schedule.
@@ -192,28 +269,47 @@ class OffloadContext:
                 "cpu_offload: the sync function was called inside the offload context; "
                 "call it on the layer's output after the `with ctx:` block."
             )
-        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+        if self._inert:
             return tensor
         forward_pass = self._last_pass() if self._last_pass is not None else None
+        self._unattached_pass = None
+        if forward_pass is not None and isinstance(tensor, torch.Tensor):
+            forward_pass.note_output(tensor)
+        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+            return tensor
         if forward_pass is None or self._last_layer is None:
             raise CpuOffloadError(
                 "cpu_offload: the sync function was called without a layer forward before "
                 "it. Call it once after each `with ctx:` block, on the layer's output."
             )
-        synchronizer, layer = self.offload_synchronizer, self._last_layer
-
-        def on_backward(grad_outputs: Any) -> None:
-            if not forward_pass.finish_queued:
-                forward_pass.finish_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: synchronizer.finish_part_of_bwd(forward_pass)
-                )
-            synchronizer.bwd_step(layer, forward_pass)
-
-        tensor.grad_fn.register_prehook(on_backward)
+        layer = self._last_layer
+        hooked = forward_pass.hooked_output() if forward_pass.hooked_output else None
+        if hooked is tensor:
+            # The layer returned its input (an identity or skipped block): its backward
+            # is empty and comes first at the node the layer before it hooked.
+            forward_pass.hooked_layers.append(layer)
+            return tensor
+        layers = [layer]
+        tensor.grad_fn.register_prehook(self._backward_hook(forward_pass, layers))
+        forward_pass.hooked_output = weakref.ref(tensor)
+        forward_pass.hooked_layers = layers
         forward_pass.has_backward_hooks = True
-        self._unattached_pass = None
         return tensor
+
+    def _backward_hook(self, forward_pass: ForwardPass, layers: list[int]) -> Callable:
+        synchronizer = self.offload_synchronizer
+        token = forward_pass.graph_token()
+
+        def finish() -> None:
+            synchronizer.finish_part_of_bwd(forward_pass)
+
+        def on_backward(grad_outputs: Any, _token: _GraphToken = token) -> None:
+            if not forward_pass.finish_queued:
+                forward_pass.finish_queued = _queue_end_of_backward(finish)
+            for layer in reversed(layers):
+                synchronizer.bwd_step(layer, forward_pass)
+
+        return on_backward
 
 
 def _validate(

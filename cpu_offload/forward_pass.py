@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .layer_state import OffloadableLayerState
 
 __all__ = ["ForwardPass"]
 
 _pass_ids = itertools.count()
+
+
+class _GraphToken:
+    """Held by the backward hooks of a pass: alive while any hooked node of its graph is."""
+
+    __slots__ = ("__weakref__",)
 
 
 class ForwardPass:
@@ -27,6 +37,8 @@ class ForwardPass:
         previous_bwd_layer: the layer whose backward ran last, not yet released.
         finish_queued: whether the end-of-backward callback is queued.
         has_backward_hooks: whether ``sync_fn`` attached the pass to its graph.
+        hooked_output: the latest tensor ``sync_fn`` hooked (weak), and
+        hooked_layers: the layers whose backward starts at its node.
     """
 
     def __init__(
@@ -41,6 +53,32 @@ class ForwardPass:
         self.previous_bwd_layer: int | None = None
         self.finish_queued = False
         self.has_backward_hooks = False  # sync_fn attached it to its graph
+        self.hooked_output: weakref.ref[torch.Tensor] | None = None
+        self.hooked_layers: list[int] = []
+        self._last_output: StorageWeakRef | None = None
+        self._token: weakref.ref[_GraphToken] | None = None
+
+    def graph_token(self) -> _GraphToken:
+        """An object the backward hooks hold: alive while any hooked node of the graph is."""
+        token = self._token() if self._token is not None else None
+        if token is None:
+            token = _GraphToken()
+            self._token = weakref.ref(token)
+        return token
+
+    def note_output(self, tensor: torch.Tensor) -> None:
+        """Remember (weakly) the storage of the latest layer's output."""
+        try:
+            self._last_output = StorageWeakRef(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):
+            self._last_output = None  # no single storage: cannot tell
+
+    def abandoned(self) -> bool:
+        """Whether nobody can continue this forward: the latest layer's output is gone,
+        and so is every node of its graph that a backward hook sits on."""
+        if self._last_output is None or not self._last_output.expired():
+            return False
+        return self._token is None or self._token() is None
 
     @property
     def num_layers(self) -> int:

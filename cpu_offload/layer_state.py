@@ -17,9 +17,24 @@ NOTE [Offload stream ordering]
     pop:     the compute stream waits for that tensor's reload event.
     release all: the compute stream waits for copies still in flight (an offload
              never released, reloads never popped) before dropping the tensors.
-    dropped: a layer state freed with copies in flight (its graph died between
-             offload and release) does the same from a finalizer, which keeps
-             both ends of the copies alive until then.
+
+NOTE [Lifetime of a layer's data]
+    The handles a pack hook returns share one :class:`_Lease` per layer and push
+    cycle; autograd holds the handles as long as the graph may still unpack them.
+    When the last handle dies (backward freed its saved tensors, or the graph was
+    dropped) the lease's finalizer waits for copies in flight and gives the host
+    buffers back to the pool.  Until then the host copies stay: after its backward
+    a layer drops its device tensors but keeps its host copies, so a second
+    backward through the same graph (``retain_graph=True``, ``create_graph=True``)
+    reloads it again.
+
+NOTE [Version counter checks]
+    With saved-tensor hooks autograd no longer compares a saved tensor's version
+    counter at unpack.  The layer state does it instead: the version is recorded at
+    push, compared when the copy starts (a tensor modified before its copy is not
+    copied; its unpack raises) and at unpack while the original tensor is alive.
+    Tensors the layer keeps on the device go through :class:`_Kept` for the same
+    check.  The error is autograd's, with the layer named.
 """
 
 from __future__ import annotations
@@ -63,27 +78,63 @@ _FIXES = {
 }
 
 
-def _wait_for_copies(backend: DeviceBackend, events: list[Any], _ends: list[Any]) -> None:
-    """Finalizer of a layer state dropped with copies in flight; see the NOTE above."""
-    current = backend.current_stream()
-    for event in events:
-        backend.wait_event(current, event)
-
-
 def has_saving_protocol(obj: object) -> bool:
     """Whether ``obj`` decomposes itself for saving (``prepare_for_saving``)."""
     return callable(getattr(obj, "prepare_for_saving", None))
 
 
-class _Offloaded:
-    """What the pack hook returns for an offloaded tensor: a layer and a position."""
+def _modified_error(tensor_desc: str, found: int, expected: int, where: str) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{tensor_desc}] is at version {found}; expected version "
+        f"{expected} instead. (cpu_offload: {where}.) Hint: find the in-place operation "
+        "on this tensor after it was saved and make it out of place."
+    )
 
-    __slots__ = ("layer", "generation", "index")
 
-    def __init__(self, layer: OffloadableLayerState, generation: int, index: int) -> None:
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{tensor.type()} {list(tensor.shape)}"
+
+
+class _Lease:
+    """Shared by the handles of one layer's push cycle; see NOTE [Lifetime of a layer's data]."""
+
+    __slots__ = ("layer", "__weakref__")
+
+    def __init__(self, layer: OffloadableLayerState) -> None:
         self.layer = layer
-        self.generation = generation
+
+
+class _Offloaded:
+    """What the pack hook returns for a tensor the layer may copy: a lease and a position."""
+
+    __slots__ = ("lease", "index")
+
+    def __init__(self, lease: _Lease, index: int) -> None:
+        self.lease = lease
         self.index = index
+
+
+class _Kept:
+    """What the pack hook returns for a tensor that stays where it is (version checked)."""
+
+    __slots__ = ("tensor", "version", "layer")
+
+    def __init__(self, tensor: torch.Tensor, layer: OffloadableLayerState) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+        self.layer = layer
+
+    def unpack(self) -> torch.Tensor:
+        found = self.tensor._version
+        if found != self.version:
+            raise _modified_error(
+                _describe(self.tensor),
+                found,
+                self.version,
+                f"the tensor was saved by {self.layer.name} and stayed on the device",
+            )
+        return self.tensor
 
 
 class _Decomposed:
@@ -130,14 +181,23 @@ class OffloadableLayerState:
         self.min_offload_numel = min_offload_numel
         self.stats = stats if stats is not None else OffloadStats()
         self.copy_timer = copy_timer
+        #: advice given when a layer must be reloaded on demand in its first backward
+        self.reload_advice = "Call the sync function on every layer's output to prefetch it."
         self.state = LayerState.NOT_OFFLOADED
         self.generation = 0
+        self._lease: weakref.ref[_Lease] | None = None  # weak: handles own the lease
+        self._reset_data()
+
+    def _reset_data(self) -> None:
         self._pushed = TensorGroup()  # device tensors as pushed, one per handle
+        self._versions: list[int] = []  # per pushed position: version at push
+        self._originals: list[weakref.ref[torch.Tensor]] = []  # per pushed position
+        self._modified: dict[int, int] = {}  # pushed position -> version seen at copy
         self._unique = TensorGroup()  # after group processing, being copied
         self._host: list[torch.Tensor] = []
         self._reloaded = TensorGroup()
-        self._finish_event: Any = None
-        self._in_flight: weakref.finalize | None = None
+        self._in_flight: list[Any] = []  # events of copies nobody has waited for
+        self._backward_done = False
 
     # ---------------------------------------------------------------- guards
 
@@ -154,16 +214,25 @@ class OffloadableLayerState:
 
     def push_tensor(self, tensor: Any) -> Any:
         """Take a tensor autograd saves; return what the pop will need."""
+        if self._backward_done:
+            self._start_new_cycle()
         self._require("push_tensor", LayerState.NOT_OFFLOADED)
         if has_saving_protocol(tensor):
             return self._push_decomposed(tensor)
-        if not is_offloadable(tensor, self.backend.device_type, self.min_offload_numel):
-            return tensor
+        if not is_offloadable(tensor, self.backend.device, self.min_offload_numel):
+            return _Kept(tensor, self) if isinstance(tensor, torch.Tensor) else tensor
         marks = marks_of(tensor)
         event = marks.ready_event if marks is not None else None
         if event is None:
             event = self.backend.record_event()
-        return _Offloaded(self, self.generation, self._pushed.append(tensor, event))
+        lease = self._lease() if self._lease is not None else None
+        if lease is None:
+            lease = _Lease(self)
+            self._lease = weakref.ref(lease)
+            weakref.finalize(lease, self._graph_released, self.generation).atexit = False
+        self._versions.append(tensor._version)
+        self._originals.append(weakref.ref(tensor))
+        return _Offloaded(lease, self._pushed.append(tensor, event))
 
     def _push_decomposed(self, tensor: Any) -> Any:
         saved = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
@@ -172,39 +241,59 @@ class OffloadableLayerState:
         if not any(isinstance(part, _Offloaded) for part in parts):
             # Nothing moved: keep the original object.
             obj.restore_from_saved(components)
-            return tensor
+            return _Kept(tensor, self) if isinstance(tensor, torch.Tensor) else tensor
         return _Decomposed(parts, obj)
 
     def pop_tensor(self, handle: Any) -> Any:
         """Give back what :meth:`push_tensor` took, on the device."""
-        if not isinstance(handle, _Offloaded) or handle.layer is not self:
+        if not isinstance(handle, _Offloaded) or handle.lease.layer is not self:
             return unpack_saved(handle)
-        if handle.generation != self.generation:
+        if self._lease is None or handle.lease is not self._lease():
             raise OffloadStateError(
                 f"cpu_offload: a saved tensor of {self.name} was used after the layer's "
-                "memory was released at the end of its backward. Offloaded activations "
-                "serve one backward pass: do not call backward twice through the same "
-                "graph (retain_graph=True), or keep this layer out of offloading."
+                "data was released and the layer state reused for another forward pass. "
+                "Use one layer state per layer and forward pass (the synchronizers do)."
             )
+        index = handle.index
+        self._check_version(index)
         if self.state in (LayerState.NOT_OFFLOADED, LayerState.OFFLOAD_STARTED):
-            return self._pushed.tensor_list[handle.index]
+            return self._pushed.tensor_list[index]
         if self.state is LayerState.OFFLOAD_FINISHED:
             self._reload_on_demand()
-        self.backend.wait_event(self.backend.current_stream(), self._reloaded.events[handle.index])
-        tensor = self._reloaded.tensor_list[handle.index]
+        self.backend.wait_event(self.backend.current_stream(), self._reloaded.events[index])
+        tensor = self._reloaded.tensor_list[index]
         self.backend.before_handoff(tensor, self.name)
         return tensor
 
+    def _check_version(self, index: int) -> None:
+        expected = self._versions[index]
+        found = self._modified.get(index)
+        where = "it was modified after it was saved by {} and before its copy to the host"
+        if found is None:
+            original = self._originals[index]()
+            if original is not None and original._version != expected:
+                found = original._version
+                where = "it was saved by {} and modified after that"
+        if found is not None:
+            shape = self._pushed_shape(index)
+            raise _modified_error(shape, found, expected, where.format(self.name))
+
+    def _pushed_shape(self, index: int) -> str:
+        original = self._originals[index]()
+        if original is not None:
+            return _describe(original)
+        return "a tensor"
+
     def _reload_on_demand(self) -> None:
-        self.stats.on_demand_reloads += 1
-        if self.stats.on_demand_reloads == 1:
-            warnings.warn(
-                f"cpu_offload: {self.name} was needed by backward before its reload was "
-                "scheduled; it is reloaded now, without overlap with compute. Call the "
-                "sync function on every layer's output (or start_reload_layer in manual "
-                "mode) to prefetch it. This warning is shown once.",
-                stacklevel=4,
-            )
+        if not self._backward_done:  # a second backward reloads on demand by design
+            self.stats.on_demand_reloads += 1
+            if self.stats.on_demand_reloads == 1:
+                warnings.warn(
+                    f"cpu_offload: {self.name} was needed by backward before its reload was "
+                    "scheduled; it is reloaded now, without overlap with compute. "
+                    f"{self.reload_advice} This warning is shown once.",
+                    stacklevel=5,
+                )
         self.start_reload()
 
     # ---------------------------------------------------------- transitions
@@ -216,6 +305,7 @@ class OffloadableLayerState:
         self.state = LayerState.OFFLOAD_STARTED
         if not self._pushed.tensor_list:
             return
+        self._note_modified()
         self._unique = TensorGroupProcessor.process_before_offload(self._pushed)
         self._host = self.host_buffers.acquire(self.layer_index, self._unique.tensor_list)
         stream = self.offload_stream
@@ -231,14 +321,25 @@ class OffloadableLayerState:
         self.stats.bytes_offloaded += nbytes
         if timer is not None:
             timer.stop("d2h", nbytes, start, stream)
-        self._finish_event = self.backend.record_event(stream)
-        self._guard([self._finish_event], [*self._unique.tensor_list, *self._host])
+        self._in_flight = [self.backend.record_event(stream)]
+
+    def _note_modified(self) -> None:
+        """Record tensors modified in place since their push; their copies wait for now.
+
+        Their values will never be handed back (their unpack raises), but the copy must
+        still be ordered after the compute work that modified them.
+        """
+        pushed = self._pushed
+        for index, tensor in enumerate(pushed.tensor_list):
+            if tensor._version != self._versions[index]:
+                self._modified[index] = tensor._version
+                pushed.events[index] = self.backend.record_event()
 
     def release_activation_forward_gpu_memory(self) -> None:
         """Drop the device copies once the offload has read them."""
         self._require("release_activation_forward_gpu_memory", LayerState.OFFLOAD_STARTED)
         self.state = LayerState.OFFLOAD_FINISHED
-        self._wait_for_offload()
+        self._wait_for_copies()
         self._pushed = TensorGroup()
         self._unique = TensorGroup(aux=self._unique.aux)
 
@@ -265,37 +366,61 @@ class OffloadableLayerState:
         self.stats.bytes_reloaded += nbytes
         if timer is not None:
             timer.stop("h2d", nbytes, start, stream)
-        self._guard(list(group.events), [*group.tensor_list, *self._host])
+        self._in_flight = list(group.events)
         self._reloaded = TensorGroupProcessor.process_after_reload(group)
 
     def release_all_memory(self) -> None:
-        """Drop everything after the layer's backward; back to ``NOT_OFFLOADED``.
+        """Drop the layer's device tensors after its backward.
 
-        Allowed in every state. Saved tensors popped afterwards raise an error.
+        Allowed in every state.  While the graph may still unpack the layer's tensors
+        (``retain_graph=True``), offloaded data stays on the host and the layer goes to
+        ``OFFLOAD_FINISHED``, from where a second backward reloads it; tensors that were
+        never copied stay on the device.  Otherwise everything goes and the layer is
+        back to ``NOT_OFFLOADED``.
         """
-        if self.state is LayerState.OFFLOAD_STARTED:
-            self._wait_for_offload()
-        elif self._in_flight is not None:
-            # Reloads nobody popped may still be writing into the tensors we drop.
-            self._in_flight()
-        self.host_buffers.release(self.layer_index, self._host)
-        self._pushed, self._unique, self._reloaded = TensorGroup(), TensorGroup(), TensorGroup()
-        self._host = []
-        self._finish_event = None
-        self._in_flight = None
+        if self._lease is None or self._lease() is None:
+            self._drop_data()
+            self.state = LayerState.NOT_OFFLOADED
+            return
+        if self.state is LayerState.NOT_OFFLOADED:
+            return  # never copied: the device tensors live as long as the graph
+        self._wait_for_copies()
+        self._pushed, self._reloaded = TensorGroup(), TensorGroup()
+        self._unique = TensorGroup(aux=self._unique.aux)
+        self._backward_done = True
+        self.state = LayerState.OFFLOAD_FINISHED
+
+    def _start_new_cycle(self) -> None:
+        """A state reused for a new forward after its backward: the old graph's
+        handles lose their data (popping one raises)."""
+        self._lease = None
+        self._drop_data()
         self.generation += 1
         self.state = LayerState.NOT_OFFLOADED
 
-    def _wait_for_offload(self) -> None:
-        if self._in_flight is not None:
-            self._in_flight()  # waits for the finish event, once
-            self._in_flight = None
-        self._finish_event = None
+    def _graph_released(self, generation: int) -> None:
+        """Finalizer of the lease: no handle of this push cycle is left."""
+        if generation != self.generation:
+            return  # the state was reused since; that cycle's data is gone already
+        self._lease = None
+        after_backward = self._backward_done or self.state is LayerState.RELOAD_STARTED
+        self._drop_data()
+        self.generation += 1
+        if after_backward:
+            self.state = LayerState.NOT_OFFLOADED
 
-    def _guard(self, events: list[Any], ends: list[torch.Tensor]) -> None:
-        """Arm the finalizer that waits for ``events`` if this state is dropped."""
-        self._in_flight = weakref.finalize(self, _wait_for_copies, self.backend, events, ends)
-        self._in_flight.atexit = False
+    def _drop_data(self) -> None:
+        self._wait_for_copies()
+        self.host_buffers.release(self.layer_index, self._host)
+        self._reset_data()
+
+    def _wait_for_copies(self) -> None:
+        """The compute stream waits for copies in flight (see the NOTE above), once."""
+        if self._in_flight:
+            current = self.backend.current_stream()
+            for event in self._in_flight:
+                self.backend.wait_event(current, event)
+            self._in_flight = []
 
     # -------------------------------------------------------------- queries
 
@@ -314,7 +439,9 @@ class OffloadableLayerState:
 def unpack_saved(handle: Any) -> Any:
     """The unpack hook: turn whatever a pack hook returned back into a tensor."""
     if isinstance(handle, _Offloaded):
-        return handle.layer.pop_tensor(handle)
+        return handle.lease.layer.pop_tensor(handle)
+    if isinstance(handle, _Kept):
+        return handle.unpack()
     if isinstance(handle, _Decomposed):
         components = [None if part is None else unpack_saved(part) for part in handle.parts]
         handle.obj.restore_from_saved(components)

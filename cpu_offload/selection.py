@@ -1,4 +1,4 @@
-"""Which saved tensors are offloaded (SPEC section 3)."""
+"""Which saved tensors are offloaded, and which stay where they are (and why)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,18 @@ import threading
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from .marks import marks_of
+from .marks import is_marked_not_offload, marks_of
 from .tensor_group import offloads_through_base
 
-__all__ = ["DEFAULT_MIN_OFFLOAD_NUMEL", "is_dense", "is_offloadable", "warn_once_per_call_site"]
+__all__ = [
+    "DEFAULT_MIN_OFFLOAD_NUMEL",
+    "is_dense",
+    "is_offloadable",
+    "note_marks_inside_compile",
+    "warn_once_per_call_site",
+]
 
 #: Tensors with fewer elements stay on the device: a copy this small costs more
 #: in launch latency than it saves in memory (256 Ki elements, 512 KiB in bf16).
@@ -22,6 +29,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _warned_sites: set[tuple[str, int, str]] = set()
 _warned_lock = threading.Lock()
+_marks_inside_compile = False  # start_offload was called while torch.compile traced
 
 
 def _user_frame() -> tuple[str, int]:
@@ -35,10 +43,16 @@ def _user_frame() -> tuple[str, int]:
     return "<unknown>", 0
 
 
-def warn_once_per_call_site(message: str, category: type[Warning] = UserWarning) -> bool:
-    """Warn at the user's call site, once per (site, message); returns whether it warned."""
+def warn_once_per_call_site(
+    message: str, category: type[Warning] = UserWarning, reason: str | None = None
+) -> bool:
+    """Warn at the user's call site, once per (site, reason); returns whether it warned.
+
+    ``reason`` defaults to the message; pass a fixed reason when the message names
+    shapes that change from step to step.
+    """
     filename, lineno = _user_frame()
-    key = (filename, lineno, message)
+    key = (filename, lineno, message if reason is None else reason)
     with _warned_lock:
         if key in _warned_sites:
             return False
@@ -47,10 +61,10 @@ def warn_once_per_call_site(message: str, category: type[Warning] = UserWarning)
     return True
 
 
-def _is_traced(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(tensor) or torch._is_functional_tensor(tensor)
+def note_marks_inside_compile() -> None:
+    """Remember that ``start_offload`` was called inside a region torch.compile traced."""
+    global _marks_inside_compile
+    _marks_inside_compile = True
 
 
 def is_dense(tensor: torch.Tensor) -> bool:
@@ -59,6 +73,8 @@ def is_dense(tensor: torch.Tensor) -> bool:
     Contiguous tensors and permutations of them (a transposed SDPA output, say)
     are dense; such a tensor is copied with its own strides, exactly.
     """
+    if tensor.is_contiguous():
+        return True
     expected = 1
     for size, stride in sorted(
         ((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s != 1),
@@ -70,33 +86,75 @@ def is_dense(tensor: torch.Tensor) -> bool:
     return True
 
 
-def is_offloadable(tensor: object, device_type: str, min_numel: int) -> bool:
-    """Whether a saved tensor is copied to the host (all rules of SPEC section 3).
+def _is_cast_of_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or its base) is an autocast copy of a leaf that requires grad.
 
-    Only plain tensors qualify: parameters and views of them, fake and functional tensors of tracing
-    modes and other tensor subclasses stay where they are.  Quantized tensors are
-    decomposed before this check, each component checked on its own.
+    Autocast caches these casts for the whole forward pass: copying them to the host
+    frees no memory and costs link bandwidth, so they are treated like parameters.
+    """
+    for candidate in (tensor, tensor._base):
+        grad_fn = candidate.grad_fn if candidate is not None else None
+        if grad_fn is not None and grad_fn.name() == "ToCopyBackward0":
+            source = grad_fn.next_functions[0][0]
+            return source is not None and source.name().endswith("AccumulateGrad")
+    return False
+
+
+def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool:
+    """Whether a saved tensor is copied to the host.
+
+    A tensor moves only if it is a plain strided tensor on exactly ``device`` with at
+    least ``min_numel`` elements (and at least one), is not a parameter, a view of
+    one or an autocast copy of one, was not marked with ``mark_not_offload`` (nor a
+    tensor sharing its storage), is not a fake or functional tensor of a tracing
+    mode, carries no conjugate or negative bit, and is dense or a view copied through
+    its dense base.  Everything else stays where it is: a tensor that cannot be moved
+    exactly is not moved.  Quantized tensors are decomposed before this check.
     """
     if type(tensor) is not torch.Tensor:
+        return False  # parameters, tensor subclasses (nested, fake, DTensor, ...)
+    if tensor.device != device or tensor.layout is not torch.strided:
         return False
-    if isinstance(tensor._base, torch.nn.Parameter):
+    numel = tensor.numel()
+    if numel < min_numel or numel == 0:
+        return False
+    base = tensor._base
+    if isinstance(base, torch.nn.Parameter):
         return False  # a view of a weight (Linear saves weight.t()) is a weight
-    if tensor.device.type != device_type or tensor.numel() < min_numel:
-        return False
     marks = marks_of(tensor)
-    if marks is not None and marks.do_not_offload:
+    if is_marked_not_offload(tensor, marks):
         return False
-    if _is_traced(tensor):
+    if tensor.is_conj() or tensor.is_neg() or is_fake(tensor):
         return False
-    if offloads_through_base(tensor):
-        if is_dense(tensor._base):
+    if torch._is_functional_tensor(tensor):
+        return False
+    if torch.is_autocast_enabled(tensor.device.type) and _is_cast_of_parameter(tensor):
+        return False
+    if offloads_through_base(tensor, marks):
+        if is_dense(base):
             return True
     elif is_dense(tensor):
         return True
-    warn_once_per_call_site(
-        f"cpu_offload: a non-contiguous saved tensor of shape {tuple(tensor.shape)} "
-        f"(stride {tensor.stride()}) is not a view that can be offloaded through its "
-        "base; it stays on the device. Call start_offload(t, offload_base_tensor=True) "
-        "on it, or make it contiguous before it is saved, to offload it."
-    )
+    _warn_not_dense(tensor)
     return False
+
+
+def _warn_not_dense(tensor: torch.Tensor) -> None:
+    if _marks_inside_compile:
+        advice = (
+            "start_offload() marks made inside a torch.compile region are not seen by the "
+            "offloader; call start_offload outside the compiled region, or make the tensor "
+            "contiguous before it is saved, to offload it."
+        )
+    else:
+        advice = (
+            "Call start_offload(t, offload_base_tensor=True) on it, or make it contiguous "
+            "before it is saved, to offload it."
+        )
+    warn_once_per_call_site(
+        f"cpu_offload: a non-contiguous saved tensor (first seen: shape "
+        f"{tuple(tensor.shape)}, stride {tensor.stride()}) is not a view that can be "
+        f"offloaded through its base; it stays on the device. {advice} This warning is "
+        "shown once per call site.",
+        reason="not dense",
+    )

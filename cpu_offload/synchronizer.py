@@ -19,7 +19,7 @@ from .device import DeviceBackend, get_backend
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
 from .host_buffers import HostBufferPool
-from .layer_state import LayerState, OffloadableLayerState
+from .layer_state import LayerState, OffloadableLayerState, unpack_saved
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .stats import OffloadStats
 
@@ -72,9 +72,12 @@ class OffloadSynchronizer:
 
     # ------------------------------------------------------------ passes
 
+    #: what a layer reloaded on demand in its first backward tells the user to do
+    reload_advice = "Call the sync function on every layer's output to prefetch it."
+
     def _new_pass(self) -> ForwardPass:
         def make_state(layer: int, name: str) -> OffloadableLayerState:
-            return OffloadableLayerState(
+            state = OffloadableLayerState(
                 layer,
                 self.backend,
                 self.offload_stream,
@@ -84,6 +87,8 @@ class OffloadSynchronizer:
                 name,
                 self.copy_timer,
             )
+            state.reload_advice = self.reload_advice
+            return state
 
         forward_pass = ForwardPass(self.num_layers, make_state)
         self._passes = [ref for ref in self._passes if ref() is not None]
@@ -132,8 +137,14 @@ class OffloadSynchronizer:
     # --------------------------------------------------------- forward
 
     def fwd_step(self) -> int:
-        """Called as a layer's forward starts; returns that layer's index."""
-        if self._current is None or self._current.forward_done:
+        """Called as a layer's forward starts; returns that layer's index.
+
+        A new pass starts after ``num_layers`` layers, and also when the pass in
+        progress was abandoned (see :meth:`ForwardPass.abandoned`: an exception
+        between two layers, say).
+        """
+        current = self._current
+        if current is None or current.forward_done or current.abandoned():
             self._current = self._new_pass()
         forward_pass = self._current
         layer = forward_pass.layers_forwarded
@@ -147,11 +158,13 @@ class OffloadSynchronizer:
             self._current = None
 
     def abort_forward(self) -> None:
-        """Discard the pass in progress (an exception escaped a layer)."""
-        forward_pass, self._current = self._current, None
-        if forward_pass is not None:
-            forward_pass.release_all()
-            self._passes = [ref for ref in self._passes if ref() is not forward_pass]
+        """End the pass in progress early: the next layer's forward starts a new pass.
+
+        Called when an exception escapes a layer.  The pass keeps what its partial
+        graph saved: a backward through that graph still works, and the memory goes
+        when the graph does.
+        """
+        self._current = None
 
     def push_tensor(self, tensor: Any) -> Any:
         """Hand a saved tensor to the layer whose forward is in progress."""
@@ -162,8 +175,6 @@ class OffloadSynchronizer:
 
     def pop_tensor(self, handle: Any) -> Any:
         """Give back a saved tensor (the handle knows its layer)."""
-        from .layer_state import unpack_saved
-
         return unpack_saved(handle)
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
@@ -174,6 +185,8 @@ class OffloadSynchronizer:
     def bwd_step(self, layer: int, forward_pass: PassRef = None) -> None:
         """Called as backward reaches ``layer`` (before its backward runs)."""
         forward_pass = self.resolve_pass(forward_pass)
+        if forward_pass is self._current:
+            self._current = None  # backward reached a forward that ended early
         previous = forward_pass.previous_bwd_layer
         if previous is not None and previous != layer:
             forward_pass.layer_states[previous].release_all_memory()
@@ -289,6 +302,8 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
         ...     controller.start_reload_layer(i)
         >>> x.sum().backward()
     """
+
+    reload_advice = "Call start_reload_layer(i) before backward reaches the layer to prefetch it."
 
     def start_offload_layer(self, layer_id: int, forward_pass: PassRef = None) -> None:
         """Queue the copies of a layer's saved tensors to the host."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .marks import marks_of
+from .marks import TensorMarks, marks_of
 
 __all__ = ["GroupLayout", "TensorGroup", "TensorGroupProcessor", "offloads_through_base"]
 
@@ -50,7 +50,8 @@ class GroupLayout:
 
     Attributes:
         views: per pushed position, ``(shape, stride, storage_offset)`` of the view
-            that was replaced by its base, or ``None``.
+            that was replaced by its base, or ``None``; the offset is counted from
+            the base's first element (the base comes back at offset 0).
         source_index: per pushed position, the index of its unique tensor.
     """
 
@@ -58,16 +59,21 @@ class GroupLayout:
     source_index: list[int]
 
 
-def offloads_through_base(tensor: torch.Tensor) -> bool:
+def offloads_through_base(tensor: torch.Tensor, marks: TensorMarks | None = None) -> bool:
     """Whether ``tensor`` is a view that is copied through its base.
 
     True when the user marked it with ``start_offload(..., offload_base_tensor=True)``
-    or when the base has exactly as many elements (a pure re-stride).
+    or when the base has exactly as many elements (a pure re-stride), and the view
+    reads the base's bits as they are: same dtype (not ``z.real`` of a complex ``z``),
+    no conjugate or negative bit of its own.
     """
     base = tensor._base
-    if base is None:
+    if base is None or base.dtype != tensor.dtype or base.layout is not torch.strided:
         return False
-    marks = marks_of(tensor)
+    if base.is_conj() != tensor.is_conj() or base.is_neg() != tensor.is_neg():
+        return False
+    if marks is None:
+        marks = marks_of(tensor)
     if marks is not None and marks.offload_base:
         return True
     return base.numel() == tensor.numel()
@@ -85,8 +91,10 @@ class TensorGroupProcessor:
         index_of: dict[int, int] = {}
         for tensor, event in zip(group.tensor_list, group.events):
             if offloads_through_base(tensor):
-                views.append((tensor.shape, tensor.stride(), tensor.storage_offset()))
-                tensor = tensor._base
+                base = tensor._base
+                offset = tensor.storage_offset() - base.storage_offset()
+                views.append((tensor.shape, tensor.stride(), offset))
+                tensor = base
             else:
                 views.append(None)
             key = id(tensor)

@@ -38,12 +38,30 @@ def test_legal_cycle_twice(streams):
         y = state.pop_tensor(handle)
         assert y is not x and torch.equal(x, y)
         state.release_all_memory()
+        # The handle (its graph) is alive: the host copy stays for another backward.
+        assert state.state is S.OFFLOAD_FINISHED
+        del handle, y
         assert state.state is S.NOT_OFFLOADED
         assert state.get_offloaded_total_size_mb() == 0
 
 
+def test_reused_state_invalidates_the_old_cycle(streams):
+    state = make_state()
+    x = torch.randn(64, 8)
+    old = state.push_tensor(x)
+    state.start_offload()
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    state.pop_tensor(old)
+    state.release_all_memory()
+    new = state.push_tensor(torch.randn(64, 8))  # next iteration, old handle still alive
+    assert state.state is S.NOT_OFFLOADED and new is not old
+    with pytest.raises(OffloadStateError, match="reused for another forward pass"):
+        state.pop_tensor(old)
+
+
 @pytest.mark.parametrize("reached", list(S), ids=lambda s: s.name)
-def test_release_all_from_every_state(streams, reached):
+def test_release_all_from_every_state_keeps_what_the_graph_needs(streams, reached):
     state = make_state()
     x = torch.randn(64, 8)
     handle = state.push_tensor(x)
@@ -52,9 +70,12 @@ def test_release_all_from_every_state(streams, reached):
         step()
     assert state.state is reached
     state.release_all_memory()
-    assert state.state is S.NOT_OFFLOADED
-    with pytest.raises(OffloadStateError, match="used after the layer's memory was released"):
-        state.pop_tensor(handle)
+    # A second backward through the same graph gets the same values back.
+    expected = S.NOT_OFFLOADED if reached is S.NOT_OFFLOADED else S.OFFLOAD_FINISHED
+    assert state.state is expected
+    assert torch.equal(state.pop_tensor(handle), x)
+    del handle
+    assert state.state is S.NOT_OFFLOADED and state.get_offloaded_total_size_mb() == 0
 
 
 ILLEGAL = [
@@ -202,7 +223,7 @@ def test_retained_buffers_are_reused_and_shape_change_is_an_error(streams):
         state.pop_tensor(handle)
         state.release_all_memory()
     assert pool.allocations == 1
-    state.push_tensor(torch.randn(32, 8))
+    handle = state.push_tensor(torch.randn(32, 8))  # kept: a dropped handle saves nothing
     with pytest.raises(Exception, match=r"retain_pinned_cpu_buffers=True .* layer 3") as info:
         state.start_offload()
     assert "(64, 8)" in str(info.value) and "(32, 8)" in str(info.value)

@@ -56,9 +56,8 @@ def test_hazard_release_before_offload_finished(monkeypatch):
     original_release = OffloadableLayerState.release_activation_forward_gpu_memory
 
     def release_then_wait(self):
-        finish_event = self._finish_event
-        self._in_flight.detach()  # forget the copies in flight (and what keeps them alive)
-        self._in_flight = None
+        (finish_event,) = self._in_flight
+        self._in_flight = []  # forget the copies in flight
         original_release(self)  # drops the device tensors first ...
         self.backend.wait_event(self.backend.current_stream(), finish_event)  # ... waits after
 
@@ -105,9 +104,8 @@ def test_hazard_release_all_without_waiting_for_unpopped_reloads(monkeypatch):
     original = OffloadableLayerState.release_all_memory
 
     def release_without_wait(self):
-        if self.state.name == "RELOAD_STARTED" and self._in_flight is not None:
-            self._in_flight.detach()  # forget the reloads in flight
-            self._in_flight = None
+        if self.state.name == "RELOAD_STARTED":
+            self._in_flight = []  # forget the reloads in flight
         return original(self)
 
     monkeypatch.setattr(OffloadableLayerState, "release_all_memory", release_without_wait)
