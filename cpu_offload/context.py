@@ -15,7 +15,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass, _GraphToken
 from .layer_state import has_saving_protocol, unpack_saved
-from .marks import set_mark
+from .device import get_backend
+from .marks import mark_storage_not_offload, set_mark
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .synchronizer import (
     DefaultOffloadSynchronizer,
@@ -83,8 +84,9 @@ def _components(tensors: tuple[Any, ...]) -> list[torch.Tensor]:
 def mark_not_offload(*tensors: Any) -> None:
     """Keep these tensors on the device whenever they are saved for backward.
 
-    Quantized tensors (objects with ``prepare_for_saving``) are marked component by
-    component.
+    The mark is on the storage: views of a marked tensor (``mask.view(...)``,
+    ``mask.t()``) stay on the device too.  Quantized tensors (objects with
+    ``prepare_for_saving``) are marked component by component.
 
     Example:
         >>> import torch
@@ -93,7 +95,7 @@ def mark_not_offload(*tensors: Any) -> None:
         >>> mark_not_offload(mask)
     """
     for tensor in _components(tensors):
-        set_mark(tensor, do_not_offload=True)
+        mark_storage_not_offload(tensor)
 
 
 def start_offload(*tensors: Any, offload_base_tensor: bool = False) -> None:
@@ -112,10 +114,12 @@ def start_offload(*tensors: Any, offload_base_tensor: bool = False) -> None:
         >>> q, k, v = qkv.chunk(3, dim=-1)
         >>> start_offload(q, k, v, offload_base_tensor=True)
     """
+    if torch.compiler.is_compiling():
+        # Marks on the tracer's tensors never reach the tensors the compiled graph
+        # saves; the warning about views says so when it fires.
+        return
     # The backend of the active synchronizer is not known here; record on the
     # backend of each tensor's device.
-    from .device import get_backend
-
     backends: dict[torch.device, Any] = {}
     for tensor in _components(tensors):
         backend = backends.get(tensor.device)
@@ -309,7 +313,9 @@ class OffloadContext:
             for layer in reversed(layers):
                 synchronizer.bwd_step(layer, forward_pass)
 
-        return on_backward
+        # Compiled autograd traces Python hooks with dynamo; this one drives the
+        # offload schedule (copies, events, engine callbacks) and must run as written.
+        return torch._dynamo.disable(on_backward, recursive=True)
 
 
 def _validate(

@@ -72,8 +72,10 @@ def offload_layers(
 
     Each module's forward runs inside the offload context (forward pre- and post-hooks)
     and its output goes through ``sync_fn``, whether it returns a tensor, a tuple or a
-    model-output object (the first tensor is the one passed on). Layers must run in
-    order, once each per forward pass, as in a decoder stack.
+    model-output object (the first tensor is the one passed on). Layers run in order,
+    as in a decoder stack; a module may appear several times (shared weights), a
+    layer may be skipped (LayerDrop), and a forward that starts over at the first
+    layer (after an interrupted step) starts a new pass.
 
     Args:
         layers: the modules, for example a Hugging Face model's ``model.layers``.
@@ -103,9 +105,25 @@ def offload_layers(
     result = get_cpu_offload_context(True, num_offloaded_layers, len(layers), **options)
     context, sync_fn = result[0], result[1]
     handle = OffloadLayersHandle(context, sync_fn, result[2] if manual else None)
+    synchronizer = context.offload_synchronizer
+    positions: dict[int, list[int]] = {}  # module id -> its positions in the list
+    for position, layer in enumerate(layers):
+        positions.setdefault(id(layer), []).append(position)
 
     def enter(module: nn.Module, args: Any) -> None:
-        context.__enter__()
+        current = synchronizer.current_pass
+        expected = current.layers_forwarded if current is not None else 0
+        if expected >= len(layers):
+            expected = 0
+        mine = positions[id(module)]
+        if expected in mine:
+            context.enter_layer()
+        elif mine[0] > expected:
+            # Layers before this one did not run (LayerDrop, a skipped block).
+            context.enter_layer(skipped=mine[0] - expected)
+        else:
+            # An earlier layer runs again: the forward in progress was left behind.
+            context.enter_layer(skipped=mine[0], new_pass=True)
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if not context.active:
@@ -119,7 +137,7 @@ def offload_layers(
         if primary is not None:
             sync_fn(primary)
 
-    for layer in layers:
+    for layer in {id(layer): layer for layer in layers}.values():  # a shared module once
         handle._hooks.append(layer.register_forward_pre_hook(enter))
         handle._hooks.append(layer.register_forward_hook(leave, always_call=True))
     return handle

@@ -17,7 +17,6 @@ __all__ = [
     "DEFAULT_MIN_OFFLOAD_NUMEL",
     "is_dense",
     "is_offloadable",
-    "note_marks_inside_compile",
     "warn_once_per_call_site",
 ]
 
@@ -29,7 +28,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _warned_sites: set[tuple[str, int, str]] = set()
 _warned_lock = threading.Lock()
-_marks_inside_compile = False  # start_offload was called while torch.compile traced
+_AOT_AUTOGRAD_DIR = os.path.join(_TORCH_DIR, "_functorch", "_aot_autograd")
 
 
 def _user_frame() -> tuple[str, int]:
@@ -61,10 +60,16 @@ def warn_once_per_call_site(
     return True
 
 
-def note_marks_inside_compile() -> None:
-    """Remember that ``start_offload`` was called inside a region torch.compile traced."""
-    global _marks_inside_compile
-    _marks_inside_compile = True
+def _saved_by_compiled_graph() -> bool:
+    """Whether the tensor being packed was saved by a torch.compile'd region (a graph
+    that AOTAutograd runs, or FX code that dynamo generated)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<eval_with_key>") or filename.startswith(_AOT_AUTOGRAD_DIR):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def is_dense(tensor: torch.Tensor) -> bool:
@@ -87,16 +92,17 @@ def is_dense(tensor: torch.Tensor) -> bool:
 
 
 def _is_cast_of_parameter(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (or its base) is an autocast copy of a leaf that requires grad.
+    """Whether ``tensor`` (or its base) is a dtype cast of a parameter.
 
-    Autocast caches these casts for the whole forward pass: copying them to the host
-    frees no memory and costs link bandwidth, so they are treated like parameters.
+    Autocast caches its casts of weights for the whole forward pass: copying them to
+    the host frees no memory and costs link bandwidth, so they are treated like the
+    parameters they come from.
     """
     for candidate in (tensor, tensor._base):
         grad_fn = candidate.grad_fn if candidate is not None else None
         if grad_fn is not None and grad_fn.name() == "ToCopyBackward0":
             source = grad_fn.next_functions[0][0]
-            return source is not None and source.name().endswith("AccumulateGrad")
+            return isinstance(getattr(source, "variable", None), torch.nn.Parameter)
     return False
 
 
@@ -105,7 +111,7 @@ def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool
 
     A tensor moves only if it is a plain strided tensor on exactly ``device`` with at
     least ``min_numel`` elements (and at least one), is not a parameter, a view of
-    one or an autocast copy of one, was not marked with ``mark_not_offload`` (nor a
+    one or a dtype cast of one (autocast's cached weights), was not marked with ``mark_not_offload`` (nor a
     tensor sharing its storage), is not a fake or functional tensor of a tracing
     mode, carries no conjugate or negative bit, and is dense or a view copied through
     its dense base.  Everything else stays where it is: a tensor that cannot be moved
@@ -128,7 +134,7 @@ def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool
         return False
     if torch._is_functional_tensor(tensor):
         return False
-    if torch.is_autocast_enabled(tensor.device.type) and _is_cast_of_parameter(tensor):
+    if tensor.requires_grad and _is_cast_of_parameter(tensor):
         return False
     if offloads_through_base(tensor, marks):
         if is_dense(base):
@@ -140,11 +146,11 @@ def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool
 
 
 def _warn_not_dense(tensor: torch.Tensor) -> None:
-    if _marks_inside_compile:
+    if _saved_by_compiled_graph():
         advice = (
-            "start_offload() marks made inside a torch.compile region are not seen by the "
-            "offloader; call start_offload outside the compiled region, or make the tensor "
-            "contiguous before it is saved, to offload it."
+            "It was saved by a torch.compile'd region, where start_offload() marks do not "
+            "reach the saved tensors; make the tensor contiguous inside the region, or call "
+            "start_offload on it outside the region, to offload it."
         )
     else:
         advice = (

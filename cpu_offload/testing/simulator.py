@@ -77,13 +77,15 @@ def _describe(tensor: torch.Tensor | None, label: str, shape: Any = None, dtype:
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of a tensor's storage, or ``None`` for tensors without a plain one
+    (wrapper subclasses, nested and sparse tensors, storages of fake or meta tensors)."""
     try:
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None  # wrapper subclasses and tensors without storage
-    if storage.nbytes() == 0:
+        if storage.nbytes() == 0:
+            return None
+        return storage.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return storage.data_ptr()
 
 
 class _Copy:

@@ -1,0 +1,380 @@
+"""Parity with autograd: every program computes, or fails, exactly as without offload.
+
+Each row of ``PROGRAMS`` is a small program over ``L`` layers run three times per
+parameter set: without offload (the baseline), then with offload (k = 1 and
+k = L - 1, on the host path and under ``strict_streams()``).  Gradients must be
+``torch.equal``; where the baseline raises, the offloaded run raises the same
+exception class (and, for autograd's in-place check, autograd's words).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from cpu_offload import get_cpu_offload_context, offload_layers
+
+pytestmark = pytest.mark.usefixtures("streams")
+
+L = 3
+
+
+@dataclass
+class Offload:
+    """What a program gets: ``None`` fields for the baseline run."""
+
+    k: int | None
+    handles: list[Any]
+
+    def context(self) -> tuple[Any, Any]:
+        if self.k is None:
+            return None, None
+        ctx, sync_fn = get_cpu_offload_context(True, self.k, L, min_offload_numel=0)
+        self.handles.append(ctx)
+        return ctx, sync_fn
+
+    def layers(self, modules: list[torch.nn.Module]) -> None:
+        if self.k is not None:
+            handle = offload_layers(modules, self.k, min_offload_numel=0)
+            self.handles.append(handle.context)
+
+    @property
+    def tensors_offloaded(self) -> int:
+        return sum(h.offload_synchronizer.stats.tensors_offloaded for h in self.handles)
+
+
+def chain(fns: list[Callable], x: torch.Tensor, ctx: Any, sync_fn: Any) -> torch.Tensor:
+    for fn in fns:
+        with ctx if ctx is not None else contextlib.nullcontext():
+            x = fn(x)
+        x = sync_fn(x) if sync_fn is not None else x
+    return x
+
+
+def leaf(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+
+# ------------------------------------------------------------------ programs
+# Each returns the tensors to compare; ``moves`` says whether offload must copy.
+
+
+def plain_chain(off: Offload) -> list[torch.Tensor]:
+    x = leaf(8, 4)
+    chain([torch.sin, torch.cos, torch.exp], x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def inplace_after_save_inside_layer(off: Offload) -> list[torch.Tensor]:
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        out = h.exp()  # saves its output
+        return out.add_(1)
+
+    x = leaf(8, 4)
+    chain([torch.sin, layer, torch.cos], x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def inplace_between_layers_before_copy(off: Offload) -> list[torch.Tensor]:
+    ctx, sync_fn = off.context()
+    x = leaf(8, 4)
+    h = x * 1.0
+    saved = h
+    for index, fn in enumerate([torch.sin, torch.cos, torch.exp]):
+        with ctx if ctx is not None else contextlib.nullcontext():
+            out = fn(h)
+        h = sync_fn(out) if sync_fn is not None else out
+        if index == 0:
+            saved.mul_(2)  # saved by layer 0; its copy starts when layer 1 enters
+    h.sum().backward()
+    return [x.grad]
+
+
+def inplace_after_copy(off: Offload) -> list[torch.Tensor]:
+    ctx, sync_fn = off.context()
+    x = leaf(8, 4)
+    h = saved = x * 1.0
+    for index, fn in enumerate([torch.sin, torch.cos, torch.exp]):
+        with ctx if ctx is not None else contextlib.nullcontext():
+            out = fn(h)
+            if index == 2:
+                saved.mul_(2)  # saved by layer 0 and copied out when layer 1 entered
+        h = sync_fn(out) if sync_fn is not None else out
+    h.sum().backward()
+    return [x.grad]
+
+
+def inplace_on_a_kept_tensor(off: Offload) -> list[torch.Tensor]:
+    ctx, sync_fn = off.context()
+    x = leaf(8, 4)
+    small = (x * 1.0)[:, :1]  # a strided view: not dense, it stays on the device
+    h = x * 1.0
+    for fn in [torch.sin, lambda t: t * small, torch.exp]:
+        with ctx if ctx is not None else contextlib.nullcontext():
+            h = fn(h)
+        h = sync_fn(h) if sync_fn is not None else h
+    small.add_(1)
+    h.sum().backward()
+    return [x.grad]
+
+
+def conj_view(off: Offload) -> list[torch.Tensor]:
+    w, x = leaf(8, 4, dtype=torch.complex64), leaf(8, 4, dtype=torch.complex64)
+    fns = [lambda z: z.sin().conj() * w, lambda z: z * 1.5, lambda z: z * 2]
+    chain(fns, x, *off.context()).abs().sum().backward()
+    return [w.grad, x.grad]
+
+
+def real_and_imag_views(off: Offload) -> list[torch.Tensor]:
+    x = leaf(8, 4, dtype=torch.complex64)
+    fns = [lambda z: (z.sin().real * z.imag).exp(), lambda z: z * 1.5, lambda z: z * 2]
+    chain(fns, x, *off.context()).abs().sum().backward()
+    return [x.grad]
+
+
+def view_of_a_detached_slice(off: Offload) -> list[torch.Tensor]:
+    base = torch.randn(80)[16:].detach()  # storage offset 16, no _base of its own
+    x = leaf(4, 16)
+    fns = [lambda h: h * base.view(4, 16), lambda h: h * 1.5, torch.sin]
+    chain(fns, x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def sparse_csr_operand(off: Offload) -> list[torch.Tensor]:
+    sparse = (torch.eye(8) * 3).to_sparse_csr()
+    x = leaf(8, 4)
+    chain([lambda h: sparse @ h.sin(), torch.cos, torch.sin], x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def nested_jagged(off: Offload) -> list[torch.Tensor]:
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        h = h.sin()
+        nested = torch.nested.as_nested_tensor([h[:3], h[3:]], layout=torch.jagged)
+        return (nested.sin() * 2).values()
+
+    x = leaf(8, 4)
+    chain([layer, torch.cos, torch.sin], x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def identity_layer(off: Offload) -> list[torch.Tensor]:
+    x = leaf(8, 4)
+    chain([torch.sin, lambda h: h, torch.exp], x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def graph_cut_before_last_layer(off: Offload) -> list[torch.Tensor]:
+    ctx, sync_fn = off.context()
+    x, w = leaf(8, 4), leaf(4)
+    h = x
+    for index, fn in enumerate([torch.sin, torch.cos, lambda t: (t * w).exp()]):
+        if index == L - 1:
+            h = h.detach().requires_grad_()
+        with ctx if ctx is not None else contextlib.nullcontext():
+            h = fn(h)
+        h = sync_fn(h) if sync_fn is not None else h
+    h.sum().backward()
+    return [w.grad]
+
+
+def retain_graph_twice(off: Offload) -> list[torch.Tensor]:
+    x = leaf(8, 4)
+    loss = chain([torch.sin, torch.cos, torch.exp], x, *off.context()).sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    return [first, x.grad]
+
+
+def backward_twice_without_retain(off: Offload) -> list[torch.Tensor]:
+    x = leaf(8, 4)
+    loss = chain([torch.sin, torch.cos, torch.exp], x, *off.context()).sum()
+    loss.backward()
+    loss.backward()
+    return [x.grad]
+
+
+def gradient_penalty(off: Offload) -> list[torch.Tensor]:
+    x, w = leaf(8, 4), leaf(4)
+    fns = [lambda h: (h * w).sin(), lambda h: h.cos() * w, torch.exp]
+    loss = chain(fns, x, *off.context()).sum()
+    (grad_w,) = torch.autograd.grad(loss, w, create_graph=True)
+    (grad_w.square().sum() + loss).backward()
+    return [x.grad, w.grad]
+
+
+def torch_func_grad_then_a_step(off: Offload) -> list[torch.Tensor]:
+    ctx, sync_fn = off.context()
+    fns = [torch.sin, torch.cos, torch.exp]
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "saved-tensor hooks are disabled here"
+        grad = torch.func.grad(lambda t: chain(fns, t, ctx, sync_fn).sum())(x)
+    y = x.clone().requires_grad_()
+    chain(fns, y, ctx, sync_fn).sum().backward()
+    return [grad, y.grad]
+
+
+def interrupted_between_layers_then_a_step(off: Offload) -> list[torch.Tensor]:
+    ctx, sync_fn = off.context()
+    fns = [torch.sin, torch.cos, torch.exp]
+    for interrupted in (True, False):
+        x = leaf(8, 4)
+        h = x
+        try:
+            for index, fn in enumerate(fns):
+                with ctx if ctx is not None else contextlib.nullcontext():
+                    h = fn(h)
+                h = sync_fn(h) if sync_fn is not None else h
+                if interrupted and index == 0:
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            del h
+            continue
+        h.sum().backward()
+    return [x.grad]
+
+
+def checkpoint_around_offloaded_layers(reentrant: bool) -> Callable[[Offload], list]:
+    def program(off: Offload) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()) for _ in range(L)]
+        off.layers(blocks)  # hooks first, then checkpoint: they fire inside it
+        x = leaf(8, 4)
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        x.sum().backward()
+        return [p.grad for block in blocks for p in block.parameters()]
+
+    return program
+
+
+def offloaded_checkpointed_layers(reentrant: bool) -> Callable[[Offload], list]:
+    def program(off: Offload) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()) for _ in range(L)]
+
+        class Checkpointed(torch.nn.Module):
+            def __init__(self, inner: torch.nn.Module) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return checkpoint(self.inner, x, use_reentrant=reentrant)
+
+        wrapped = [Checkpointed(block) for block in blocks]
+        off.layers(wrapped)  # checkpoint first, then hooks: its input is saved inside ours
+        x = leaf(8, 4)
+        for module in wrapped:
+            x = module(x)
+        x.sum().backward()
+        return [p.grad for block in blocks for p in block.parameters()]
+
+    return program
+
+
+def shared_module(off: Offload) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    off.layers([block] * L)
+    for _ in range(2):
+        x = leaf(8, 4)
+        h = x
+        for _ in range(L):
+            h = block(h)
+        h.sum().backward()
+    return [x.grad, *block.parameters()]
+
+
+def compiled_autograd(off: Offload) -> list[torch.Tensor]:
+    x, w = leaf(8, 4), leaf(4)
+    fns = [lambda h: (h * w).sin(), lambda h: h.cos() * w, torch.exp]
+    loss = chain(fns, x, *off.context()).sum()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        loss.backward()
+    return [x.grad, w.grad]
+
+
+@dataclass
+class Row:
+    program: Callable[[Offload], list[torch.Tensor]]
+    moves: bool = True  # offload must copy something (else the row proves nothing)
+    match: str | None = None  # the error both runs raise, when they do
+
+
+MODIFIED = "modified by an inplace operation"
+PROGRAMS = {
+    "plain chain": Row(plain_chain),
+    "in-place after save, inside the layer": Row(inplace_after_save_inside_layer, match=MODIFIED),
+    "in-place between layers, before the copy": Row(
+        inplace_between_layers_before_copy, match=MODIFIED
+    ),
+    "in-place after the copy": Row(inplace_after_copy, match=MODIFIED),
+    "in-place on a kept tensor": Row(inplace_on_a_kept_tensor, match=MODIFIED),
+    "conj view": Row(conj_view),
+    "real and imag views": Row(real_and_imag_views),
+    "view of a detached slice": Row(view_of_a_detached_slice),
+    "sparse CSR operand": Row(sparse_csr_operand),
+    "nested jagged tensor": Row(nested_jagged),
+    "identity layer": Row(identity_layer),
+    "graph cut before the last layer": Row(graph_cut_before_last_layer),
+    "retain_graph, backward twice": Row(retain_graph_twice),
+    "backward twice without retain_graph": Row(
+        backward_twice_without_retain, match="backward through the graph a second time"
+    ),
+    "gradient penalty (create_graph)": Row(gradient_penalty),
+    "torch.func.grad, then a step": Row(torch_func_grad_then_a_step),
+    "interrupted between layers, then a step": Row(interrupted_between_layers_then_a_step),
+    "hooks inside non-reentrant checkpoint": Row(checkpoint_around_offloaded_layers(False), False),
+    "hooks inside reentrant checkpoint": Row(checkpoint_around_offloaded_layers(True), False),
+    "non-reentrant checkpoint inside hooks": Row(offloaded_checkpointed_layers(False)),
+    "reentrant checkpoint inside hooks": Row(offloaded_checkpointed_layers(True)),
+    "one module at every position": Row(shared_module),
+    "compiled autograd": Row(compiled_autograd),
+}
+
+
+def outcome(program: Callable[[Offload], list], off: Offload) -> tuple[str, Any]:
+    torch.manual_seed(0)
+    try:
+        return "ok", [t.detach().clone() for t in program(off)]
+    except Exception as error:  # noqa: BLE001 - the class is what is compared
+        return "raised", error
+
+
+@pytest.mark.parametrize("k", [1, L - 1], ids=["k1", f"k{L - 1}"])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_parity(name, k, quiet):
+    row = PROGRAMS[name]
+    expected = outcome(row.program, Offload(None, []))
+    off = Offload(k, [])
+    actual = outcome(row.program, off)
+    if expected[0] == "raised":
+        assert row.match is not None and row.match in str(expected[1]), expected[1]
+        assert actual[0] == "raised", "the baseline raised, the offloaded run did not"
+        assert type(actual[1]) is type(expected[1])
+        assert row.match in str(actual[1]), actual[1]
+    else:
+        assert row.match is None, "the baseline was expected to raise"
+        if actual[0] == "raised":
+            raise actual[1]
+        assert len(expected[1]) == len(actual[1])
+        for a, b in zip(expected[1], actual[1]):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    if row.moves:
+        assert off.tensors_offloaded > 0, "nothing was offloaded: the row proves nothing"
+
+
+def test_in_place_error_names_the_layer():
+    _, error = outcome(inplace_after_copy, Offload(1, []))
+    assert isinstance(error, RuntimeError)
+    assert "is at version 1; expected version 0 instead" in str(error)
+    assert "saved by layer 0 of forward pass" in str(error)
