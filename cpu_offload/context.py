@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from .device import get_backend
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass, _GraphToken
 from .layer_state import has_saving_protocol, unpack_saved
-from .device import get_backend
 from .marks import mark_storage_not_offload, set_mark
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .synchronizer import (
@@ -297,7 +297,6 @@ class OffloadContext:
         tensor.grad_fn.register_prehook(self._backward_hook(forward_pass, layers))
         forward_pass.hooked_output = weakref.ref(tensor)
         forward_pass.hooked_layers = layers
-        forward_pass.has_backward_hooks = True
         return tensor
 
     def _backward_hook(self, forward_pass: ForwardPass, layers: list[int]) -> Callable:

@@ -36,7 +36,6 @@ class ForwardPass:
         layers_forwarded: how many layers' forwards have started.
         previous_bwd_layer: the layer whose backward ran last, not yet released.
         finish_queued: whether the end-of-backward callback is queued.
-        has_backward_hooks: whether ``sync_fn`` attached the pass to its graph.
         hooked_output: the latest tensor ``sync_fn`` hooked (weak), and
         hooked_layers: the layers whose backward starts at its node.
     """
@@ -52,7 +51,6 @@ class ForwardPass:
         self.layers_forwarded = 0
         self.previous_bwd_layer: int | None = None
         self.finish_queued = False
-        self.has_backward_hooks = False  # sync_fn attached it to its graph
         self.hooked_output: weakref.ref[torch.Tensor] | None = None
         self.hooked_layers: list[int] = []
         self._last_output: StorageWeakRef | None = None
@@ -87,12 +85,6 @@ class ForwardPass:
     @property
     def forward_done(self) -> bool:
         return self.layers_forwarded == self.num_layers
-
-    def release_all(self) -> None:
-        """Drop every layer's memory (end of backward, or a discarded pass)."""
-        for state in self.layer_states:
-            state.release_all_memory()
-        self.previous_bwd_layer = None
 
     def get_offloaded_total_size_mb(self) -> float:
         return sum(state.get_offloaded_total_size_mb() for state in self.layer_states)

@@ -16,7 +16,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["TensorMarks", "is_marked_not_offload", "mark_storage_not_offload", "marks_of", "set_mark"]
+__all__ = [
+    "TensorMarks",
+    "is_marked_not_offload",
+    "mark_storage_not_offload",
+    "marks_of",
+    "set_mark",
+]
 
 
 @dataclass

@@ -66,7 +66,7 @@ def _saved_by_compiled_graph() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith("<eval_with_key>") or filename.startswith(_AOT_AUTOGRAD_DIR):
+        if filename.startswith(("<eval_with_key>", _AOT_AUTOGRAD_DIR)):
             return True
         frame = frame.f_back
     return False
@@ -111,11 +111,12 @@ def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool
 
     A tensor moves only if it is a plain strided tensor on exactly ``device`` with at
     least ``min_numel`` elements (and at least one), is not a parameter, a view of
-    one or a dtype cast of one (autocast's cached weights), was not marked with ``mark_not_offload`` (nor a
-    tensor sharing its storage), is not a fake or functional tensor of a tracing
-    mode, carries no conjugate or negative bit, and is dense or a view copied through
-    its dense base.  Everything else stays where it is: a tensor that cannot be moved
-    exactly is not moved.  Quantized tensors are decomposed before this check.
+    one or a dtype cast of one (autocast's cached weights), was not marked with
+    ``mark_not_offload`` (nor a tensor sharing its storage), is not a fake or
+    functional tensor of a tracing mode, carries no conjugate or negative bit, and
+    is dense or a view copied through its dense base.  Everything else stays where it
+    is: a tensor that cannot be moved exactly is not moved.  Quantized tensors are
+    decomposed before this check.
     """
     if type(tensor) is not torch.Tensor:
         return False  # parameters, tensor subclasses (nested, fake, DTensor, ...)

@@ -45,12 +45,17 @@ def test_legal_cycle_twice(streams):
         assert state.get_offloaded_total_size_mb() == 0
 
 
-def test_reused_state_invalidates_the_old_cycle(streams):
-    state = make_state()
-    x = torch.randn(64, 8)
-    old = state.push_tensor(x)
+def offloaded(state: OffloadableLayerState, x: torch.Tensor):
+    """Push ``x``, copy it out and release it on the device; returns its handle."""
+    handle = state.push_tensor(x)
     state.start_offload()
     state.release_activation_forward_gpu_memory()
+    return handle
+
+
+def test_reused_state_invalidates_the_old_cycle(streams):
+    state = make_state()
+    old = offloaded(state, torch.randn(64, 8))
     state.start_reload()
     state.pop_tensor(old)
     state.release_all_memory()
@@ -133,9 +138,7 @@ def test_pop_before_offload_and_while_offloading_returns_device_tensor(streams):
 def test_pop_without_scheduled_reload_reloads_on_demand(streams):
     state = make_state()
     x = torch.randn(64, 8)
-    handle = state.push_tensor(x)
-    state.start_offload()
-    state.release_activation_forward_gpu_memory()
+    handle = offloaded(state, x)
     with pytest.warns(UserWarning, match="reloaded now"):
         y = state.pop_tensor(handle)
     assert torch.equal(x, y) and state.state is S.RELOAD_STARTED

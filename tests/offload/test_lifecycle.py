@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_bit_identical, forward, make_input, make_layers
 
-from cpu_offload import CpuOffloadError, LayerState, OffloadStateError, get_cpu_offload_context
+from cpu_offload import CpuOffloadError, LayerState, get_cpu_offload_context
 
 pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
 
