@@ -334,7 +334,8 @@ def _validate(
     if offload_weights:
         warnings.warn(
             "cpu_offload: offload_weights=True is deprecated and has no effect; only "
-            "activations are offloaded.",
+            "activations are offloaded"
+            + ("." if offload_activations else ", and offload_activations=False: nothing is."),
             DeprecationWarning,
             stacklevel=3,
         )
@@ -377,7 +378,8 @@ def get_cpu_offload_context(
         enabled: when False, return a null context and an identity function.
         num_layers: layers to offload, ``k`` (default schedule): layers ``0..k-1``.
         model_layers: layers run under the context per forward pass, ``L``.
-        offload_activations: must be True (activations are what is offloaded).
+        offload_activations: offload activations; False (with ``offload_weights=True``,
+            as TransformerEngine accepts) returns a null context and an identity.
         offload_weights: deprecated, no effect.
         double_buffering: accepted for compatibility, no effect.
         manual_synchronization: return a third value, a
@@ -407,19 +409,21 @@ def get_cpu_offload_context(
         >>> x.sum().backward()
     """
     del double_buffering  # accepted for compatibility
-    if not enabled:
+    if enabled:
+        _validate(
+            num_layers,
+            model_layers,
+            offload_activations,
+            offload_weights,
+            manual_synchronization,
+            offload_stream,
+        )
+    if not enabled or not offload_activations:
+        # Disabled, or weights only (deprecated, as in TransformerEngine): nothing to do.
         identity: Callable[[Any], Any] = lambda x: x  # noqa: E731
         if manual_synchronization:
             return contextlib.nullcontext(), identity, None
         return contextlib.nullcontext(), identity
-    _validate(
-        num_layers,
-        model_layers,
-        offload_activations,
-        offload_weights,
-        manual_synchronization,
-        offload_stream,
-    )
     synchronizer: OffloadSynchronizer
     if manual_synchronization:
         synchronizer = ManualOffloadSynchronizer(

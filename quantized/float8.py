@@ -20,7 +20,7 @@ def check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
 
 def finite_amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Largest finite magnitude (infinities and NaN ignored), in float32."""
-    magnitude = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype))
+    magnitude = torch.where(torch.isfinite(x), x.abs(), x.new_zeros(()))  # no host scalar
     return magnitude.amax() if dim is None else magnitude.amax(dim)
 
 

@@ -36,9 +36,10 @@ def _quantize_rows(
 
 def _dequantize_rows(data: torch.Tensor, scale: torch.Tensor, block_size: int) -> torch.Tensor:
     rows, cols = data.shape
-    factor = torch.ldexp(torch.ones(scale.shape), scale.to(torch.int32) - _E8M0_BIAS)
+    exponent = scale.to(torch.int32) - _E8M0_BIAS
+    factor = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
     blocks = data.float().reshape(rows, cols // block_size, block_size)
-    return (blocks * factor.to(data.device).unsqueeze(-1)).reshape(rows, cols)
+    return (blocks * factor.unsqueeze(-1)).reshape(rows, cols)
 
 
 class MXFP8Tensor(QuantizedTensor):

@@ -87,6 +87,19 @@ def test_invalid_configurations(kwargs, match):
         get_cpu_offload_context(True, **{"num_layers": 1, "model_layers": 3, **kwargs})
 
 
+def test_weights_only_is_a_null_context_as_in_transformer_engine():
+    with pytest.warns(DeprecationWarning, match="offload_activations=False: nothing is"):
+        ctx, sync_fn = get_cpu_offload_context(True, 1, 2, False, True)
+    x = torch.randn(4, 4, requires_grad=True)
+    with ctx:
+        y = x.sin()
+    assert sync_fn(y) is y
+    assert not hasattr(ctx, "offload_synchronizer")  # nothing was set up
+    with pytest.warns(DeprecationWarning):
+        result = get_cpu_offload_context(True, 1, 2, False, True, manual_synchronization=True)
+    assert result[2] is None
+
+
 def test_offload_weights_is_deprecated():
     with pytest.warns(DeprecationWarning, match="offload_weights=True is deprecated"):
         get_cpu_offload_context(True, 1, 2, offload_weights=True)
