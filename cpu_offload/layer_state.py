@@ -31,8 +31,9 @@ NOTE [Lifetime of a layer's data]
 NOTE [Version counter checks]
     With saved-tensor hooks autograd no longer compares a saved tensor's version
     counter at unpack.  The layer state does it instead: the version is recorded at
-    push, compared when the copy starts (a tensor modified before its copy is not
-    copied; its unpack raises) and at unpack while the original tensor is alive.
+    push, compared when the copy starts (a tensor modified before its copy is still
+    copied, ordered after the modifying work, but its unpack raises) and at unpack
+    while the original tensor is alive.
     Tensors the layer keeps on the device go through :class:`_Kept` for the same
     check.  The error is autograd's, with the layer named.
 """
@@ -225,7 +226,7 @@ class OffloadableLayerState:
         event = marks.ready_event if marks is not None else None
         if event is None:
             event = self.backend.record_event()
-        lease = self._lease() if self._lease is not None else None
+        lease = self._live_lease()
         if lease is None:
             lease = _Lease(self)
             self._lease = weakref.ref(lease)
@@ -248,7 +249,7 @@ class OffloadableLayerState:
         """Give back what :meth:`push_tensor` took, on the device."""
         if not isinstance(handle, _Offloaded) or handle.lease.layer is not self:
             return unpack_saved(handle)
-        if self._lease is None or handle.lease is not self._lease():
+        if handle.lease is not self._live_lease():
             raise OffloadStateError(
                 f"cpu_offload: a saved tensor of {self.name} was used after the layer's "
                 "data was released and the layer state reused for another forward pass. "
@@ -265,24 +266,21 @@ class OffloadableLayerState:
         self.backend.before_handoff(tensor, self.name)
         return tensor
 
+    def _live_lease(self) -> _Lease | None:
+        """The lease of the current push cycle, if any handle of it is alive."""
+        return self._lease() if self._lease is not None else None
+
     def _check_version(self, index: int) -> None:
         expected = self._versions[index]
+        original = self._originals[index]()
         found = self._modified.get(index)
         where = "it was modified after it was saved by {} and before its copy to the host"
-        if found is None:
-            original = self._originals[index]()
-            if original is not None and original._version != expected:
-                found = original._version
-                where = "it was saved by {} and modified after that"
+        if found is None and original is not None and original._version != expected:
+            found = original._version
+            where = "it was saved by {} and modified after that"
         if found is not None:
-            shape = self._pushed_shape(index)
-            raise _modified_error(shape, found, expected, where.format(self.name))
-
-    def _pushed_shape(self, index: int) -> str:
-        original = self._originals[index]()
-        if original is not None:
-            return _describe(original)
-        return "a tensor"
+            desc = _describe(original) if original is not None else "a tensor"
+            raise _modified_error(desc, found, expected, where.format(self.name))
 
     def _reload_on_demand(self) -> None:
         if not self._backward_done:  # a second backward reloads on demand by design
@@ -378,7 +376,7 @@ class OffloadableLayerState:
         never copied stay on the device.  Otherwise everything goes and the layer is
         back to ``NOT_OFFLOADED``.
         """
-        if self._lease is None or self._lease() is None:
+        if self._live_lease() is None:
             self._drop_data()
             self.state = LayerState.NOT_OFFLOADED
             return
