@@ -82,6 +82,21 @@ class DeviceBackend:
             like.shape, like.stride(), dtype=like.dtype, device="cpu", pin_memory=self.pin_memory
         )
 
+    def copy_many(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, label: str = ""
+    ) -> None:
+        """:meth:`copy` for each pair, in order."""
+        for dst, src in zip(dsts, srcs):
+            self.copy(dst, src, stream, label)
+
+    def current_stream_key(self) -> Any:
+        """Something equal for equal current streams, cheaper to get than the stream."""
+        return self.current_stream()
+
+    def empty_host_bytes(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` bytes of host memory (pinned if supported), as a uint8 tensor."""
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+
     def empty_device(self, like: torch.Tensor) -> torch.Tensor:
         """A device tensor with the shape, strides and dtype of ``like``, on the current stream."""
         return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
@@ -178,6 +193,14 @@ class HostBackend(DeviceBackend):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
         dst.copy_(src)
 
+    def copy_many(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, label: str = ""
+    ) -> None:
+        torch._foreach_copy_(dsts, srcs)
+
+    def current_stream_key(self) -> Any:
+        return None  # one stream
+
     def synchronize(self) -> None:
         return None
 
@@ -192,6 +215,8 @@ class StreamBackend(DeviceBackend):
             device = torch.device(device.type, runtime.current_device())
         self.device = device
         self._runtime = runtime
+        # CUDA's raw current stream (an int) costs less than a Stream object.
+        self._raw_stream = getattr(torch._C, f"_{device.type}_getCurrentRawStream", None)
 
     def new_stream(self) -> Any:
         return self._runtime.Stream(device=self.device)
@@ -205,6 +230,19 @@ class StreamBackend(DeviceBackend):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
         with self._runtime.stream(stream):
             dst.copy_(src, non_blocking=True)
+
+    def copy_many(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, label: str = ""
+    ) -> None:
+        with self._runtime.stream(stream):
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src, non_blocking=True)
+
+    def current_stream_key(self) -> Any:
+        if self._raw_stream is not None:
+            return self._raw_stream(self.device.index)
+        stream = self._runtime.current_stream(self.device)
+        return getattr(stream, "stream_id", stream)
 
     def synchronize(self) -> None:
         self._runtime.synchronize(self.device)

@@ -1,7 +1,32 @@
-"""Host buffers that offloaded tensors are copied into."""
+"""Host buffers that offloaded tensors are copied into.
+
+NOTE [Host memory pool]
+    Pinned host memory is the scarcest memory of a training node and allocating it
+    is slow (``cudaHostAlloc`` takes milliseconds and synchronises), so buffers are
+    reused.  Shapes change from step to step (packed or variable-length batches),
+    so the pool does not cache by layout: it holds byte blocks in power-of-two size
+    classes and hands out views of them with the requested shape, strides and dtype.
+
+    * A request takes the smallest free block that is large enough, of any class
+      (the largest tensors of a layer choose first), so the blocks of the largest
+      step serve every smaller one and allocations stop once the largest shapes
+      have been seen.
+    * The pool holds at most ``2 x`` the largest number of bytes that were in use
+      at once (plus one block): before a new block would exceed that, free blocks
+      are freed, largest first.  Power-of-two classes waste less than half of a
+      block, so the blocks in use always fit under the bound.
+    * Blocks come back when the layer's data is dropped, after the compute stream
+      has waited for the layer's copies; every copy into or out of a pool runs on
+      its synchronizer's one offload stream, so a block's next copy is ordered after
+      its previous one.
+
+    With ``retain=True`` each layer keeps its own buffers with fixed addresses
+    instead (CUDA graph capture needs them); their layouts must stay the same.
+"""
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 
 import torch
@@ -14,53 +39,94 @@ __all__ = ["HostBufferPool"]
 
 Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 
+#: The smallest block: small tensors share this class instead of making many classes.
+MIN_BLOCK_BYTES = 4096
+
 
 def _layout(tensor: torch.Tensor) -> Layout:
     return tuple(tensor.shape), tensor.stride(), tensor.dtype
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of a dense tensor's elements (its strides may permute them)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def size_class(nbytes: int) -> int:
+    """The block size that serves ``nbytes``: a power of two, at least ``MIN_BLOCK_BYTES``."""
+    return max(MIN_BLOCK_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+class _Block:
+    """A byte block of the pool and the view it last served (reused for the same layout)."""
+
+    __slots__ = ("data", "size", "view")
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.size = data.numel()
+        self.view: torch.Tensor | None = None
+
+    def view_as(self, like: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` bytes seen with the shape, strides and dtype of ``like``."""
+        view = self.view
+        if (
+            view is not None
+            and view.dtype == like.dtype
+            and view.shape == like.shape
+            and view.stride() == like.stride()
+        ):
+            return view
+        view = self.data[:nbytes].view(like.dtype).as_strided(like.shape, like.stride())
+        self.view = view
+        return view
+
+
 class HostBufferPool:
-    """Hands out host buffers to layers and takes them back after backward.
+    """Hands out host buffers to layers and takes them back when their data goes.
 
-    Pinned allocations are slow and may synchronize the device, so buffers are
-    reused:
+    See NOTE [Host memory pool].  :meth:`stats` reports the footprint;
+    :meth:`empty_cache` frees the blocks no layer is using.
 
-    * ``retain=False`` (default): a released buffer goes to a cache keyed by
-      (shape, stride, dtype) and serves any later offload of that layout, so a
-      steady-state training step allocates nothing.  :meth:`empty_cache` frees it.
-    * ``retain=True``: the buffers of a layer are kept as a set and handed to the
-      same layer of a later forward pass; its layouts must then stay the same (an
-      error says which changed), as CUDA graph capture needs fixed addresses.
-
-    Buffers are only reused after the layer released them, which happens after its
-    reloads were waited for; a layer index keeps one set per forward pass in
-    flight, so passes in flight never share a buffer.
-
-    Attributes:
-        allocations: host buffers allocated so far (cache misses).
+    Args:
+        backend: allocates the blocks (pinned where the device supports it).
+        retain: keep each layer's buffers for the same layer of later passes.
     """
 
     def __init__(self, backend: DeviceBackend, retain: bool) -> None:
         self._backend = backend
         self.retain = retain
-        self._free: defaultdict[int, list[list[torch.Tensor]]] = defaultdict(list)
-        self._cache: defaultdict[Layout, list[torch.Tensor]] = defaultdict(list)
-        self.allocations = 0
+        self._free_sizes: list[int] = []  # sorted sizes of the free blocks
+        self._free: defaultdict[int, list[_Block]] = defaultdict(list)  # by size
+        self._lent: dict[int, _Block] = {}  # id(view) -> its block
+        self._retained: defaultdict[int, list[list[torch.Tensor]]] = defaultdict(list)
+        self._reserved = 0
+        self._in_use = 0
+        self._requested = 0  # bytes the views in use ask for
+        self._peak_requested = 0
+        self._num_alloc = 0
+        self._num_free = 0
+
+    # -------------------------------------------------------------- lending
 
     def acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Buffers matching ``tensors`` for the layer ``layer_index``."""
-        if self.retain and self._free[layer_index]:
-            buffers = self._free[layer_index].pop()
+        """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``."""
+        if self.retain and self._retained[layer_index]:
+            buffers = self._retained[layer_index].pop()
             self._check_same_layout(layer_index, buffers, tensors)
             return buffers
-        buffers = []
-        for tensor in tensors:
-            cached = None if self.retain else self._cache.get(_layout(tensor))
-            if cached:
-                buffers.append(cached.pop())
-            else:
-                self.allocations += 1
-                buffers.append(self._backend.empty_host(tensor))
+        sizes = [_nbytes(t) for t in tensors]
+        self._requested += sum(sizes)
+        self._peak_requested = max(self._peak_requested, self._requested)
+        buffers: list[torch.Tensor] = list(tensors)  # placeholders, all replaced
+        # Largest first: the largest tensors get the blocks that fit them best.
+        order = sorted(range(len(tensors)), key=sizes.__getitem__, reverse=True)
+        for position in order:
+            nbytes = sizes[position]
+            block = self._take_block(nbytes)
+            view = block.view_as(tensors[position], nbytes)
+            self._lent[id(view)] = block
+            buffers[position] = view
         return buffers
 
     def release(self, layer_index: int, buffers: list[torch.Tensor]) -> None:
@@ -68,15 +134,80 @@ class HostBufferPool:
         if not buffers:
             return
         if self.retain:
-            self._free[layer_index].append(buffers)
+            self._retained[layer_index].append(buffers)  # still lent: fixed addresses
             return
-        for buffer in buffers:
-            self._cache[_layout(buffer)].append(buffer)
+        for view in buffers:
+            block = self._lent.pop(id(view))
+            self._requested -= _nbytes(view)
+            self._in_use -= block.size
+            bisect.insort(self._free_sizes, block.size)
+            self._free[block.size].append(block)
 
     def empty_cache(self) -> None:
-        """Free the buffers held for reuse."""
+        """Free the blocks no layer is using (and the buffers retained for later passes)."""
+        for size in self._free_sizes:
+            self._count_freed(size)
+        self._free_sizes.clear()
         self._free.clear()
-        self._cache.clear()
+        for sets in self._retained.values():
+            for buffers in sets:
+                for view in buffers:
+                    block = self._lent.pop(id(view))
+                    self._requested -= _nbytes(view)
+                    self._in_use -= block.size
+                    self._count_freed(block.size)
+        self._retained.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Host memory of this pool, in bytes and counts.
+
+        ``reserved_bytes``: held by the pool, in use or free; ``in_use_bytes``: in
+        blocks lent to layers; ``requested_bytes``: what the lent buffers ask for;
+        ``peak_requested_bytes``: the most that was asked for at once;
+        ``num_host_alloc`` / ``num_host_free``: blocks allocated and freed so far.
+        """
+        return {
+            "reserved_bytes": self._reserved,
+            "in_use_bytes": self._in_use,
+            "requested_bytes": self._requested,
+            "peak_requested_bytes": self._peak_requested,
+            "num_host_alloc": self._num_alloc,
+            "num_host_free": self._num_free,
+        }
+
+    @property
+    def allocations(self) -> int:
+        """Host blocks allocated so far (pool misses)."""
+        return self._num_alloc
+
+    # ------------------------------------------------------------- blocks
+
+    def _take_block(self, nbytes: int) -> _Block:
+        at = bisect.bisect_left(self._free_sizes, nbytes)
+        if at < len(self._free_sizes):  # never in retain mode: nothing is ever free there
+            size = self._free_sizes.pop(at)
+            block = self._free[size].pop()
+        else:
+            size = size_class(nbytes)
+            if not self.retain:
+                self._evict_for(size)
+            block = _Block(self._backend.empty_host_bytes(size))
+            self._reserved += size
+            self._num_alloc += 1
+        self._in_use += size
+        return block
+
+    def _evict_for(self, size: int) -> None:
+        """Free unused blocks, largest first, until ``size`` more bytes fit the bound."""
+        limit = 2 * self._peak_requested
+        while self._free_sizes and self._reserved + size > limit:
+            largest = self._free_sizes.pop()
+            self._free[largest].pop()
+            self._count_freed(largest)
+
+    def _count_freed(self, size: int) -> None:
+        self._reserved -= size
+        self._num_free += 1
 
     @staticmethod
     def _check_same_layout(

@@ -4,17 +4,21 @@ A layer state only knows how to push, offload, release, reload and pop; when to 
 each is decided by a synchronizer (``synchronizer.py``).
 
 NOTE [Offload stream ordering]
-    push:    the device tensor is kept with an event on the stream that produced it
-             (or the event ``start_offload`` recorded).
-    offload: the offload stream waits for each tensor's event before copying it, so
-             the copy never reads a tensor that compute is still writing.
+    push:    the device tensor is kept; the layer remembers the stream current at
+             its first push.  A tensor gets an event of its own only when
+             ``start_offload`` recorded one for it or another stream is current.
+    offload: one event recorded on the push stream covers every tensor pushed
+             there (the stream orders the layer's work); the offload stream waits
+             for it and for the tensors' own events before copying, so a copy never
+             reads a tensor that compute is still writing.
     release: the compute stream waits for the offload finish event before the
              device references are dropped; the caching allocator may hand that
              memory to later compute work only after the copies have read it.
     reload:  device tensors are allocated on the compute stream, then the offload
              stream waits for the compute stream (the new memory may have been in
-             use by compute work just issued), then copies.  One event per tensor.
-    pop:     the compute stream waits for that tensor's reload event.
+             use by compute work just issued), then copies.  One event per layer.
+    pop:     the first pop of the layer on a stream makes that stream wait for the
+             reload event.
     release all: the compute stream waits for copies still in flight (an offload
              never released, reloads never popped) before dropping the tensors.
 
@@ -95,6 +99,9 @@ def _modified_error(tensor_desc: str, found: int, expected: int, where: str) -> 
 
 def _describe(tensor: torch.Tensor) -> str:
     return f"{tensor.type()} {list(tensor.shape)}"
+
+
+_NOT_WAITED = object()
 
 
 class _Lease:
@@ -198,6 +205,10 @@ class OffloadableLayerState:
         self._host: list[torch.Tensor] = []
         self._reloaded = TensorGroup()
         self._in_flight: list[Any] = []  # events of copies nobody has waited for
+        self._push_stream: Any = None  # current stream at the first push
+        self._push_stream_key: Any = None
+        self._reload_event: Any = None  # recorded after the layer's reload copies
+        self._reload_waited_on: Any = _NOT_WAITED  # stream key that waited for it
         self._backward_done = False
 
     # ---------------------------------------------------------------- guards
@@ -217,15 +228,23 @@ class OffloadableLayerState:
         """Take a tensor autograd saves; return what the pop will need."""
         if self._backward_done:
             self._start_new_cycle()
-        self._require("push_tensor", LayerState.NOT_OFFLOADED)
-        if has_saving_protocol(tensor):
-            return self._push_decomposed(tensor)
+        if self.state is not LayerState.NOT_OFFLOADED:
+            self._require("push_tensor", LayerState.NOT_OFFLOADED)
+        kind = type(tensor)
+        if kind is not torch.Tensor:
+            return _Kept(tensor, self) if kind is torch.nn.Parameter else self._push_other(tensor)
         if not is_offloadable(tensor, self.backend.device, self.min_offload_numel):
-            return _Kept(tensor, self) if isinstance(tensor, torch.Tensor) else tensor
+            return _Kept(tensor, self)
         marks = marks_of(tensor)
         event = marks.ready_event if marks is not None else None
         if event is None:
-            event = self.backend.record_event()
+            # Covered by the one event start_offload records on the push stream,
+            # unless the tensor was saved while another stream was current.
+            key = self.backend.current_stream_key()
+            if self._push_stream is None:
+                self._push_stream, self._push_stream_key = self.backend.current_stream(), key
+            elif key != self._push_stream_key:
+                event = self.backend.record_event()
         lease = self._live_lease()
         if lease is None:
             lease = _Lease(self)
@@ -234,6 +253,14 @@ class OffloadableLayerState:
         self._versions.append(tensor._version)
         self._originals.append(weakref.ref(tensor))
         return _Offloaded(lease, self._pushed.append(tensor, event))
+
+    def _push_other(self, obj: Any) -> Any:
+        """Tensor subclasses, objects saved as their components."""
+        if has_saving_protocol(obj):
+            return self._push_decomposed(obj)
+        if isinstance(obj, torch.Tensor):
+            return _Kept(obj, self)  # subclasses stay (see selection.is_offloadable)
+        return obj
 
     def _push_decomposed(self, tensor: Any) -> Any:
         saved = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
@@ -247,8 +274,11 @@ class OffloadableLayerState:
 
     def pop_tensor(self, handle: Any) -> Any:
         """Give back what :meth:`push_tensor` took, on the device."""
-        if not isinstance(handle, _Offloaded) or handle.lease.layer is not self:
+        if type(handle) is not _Offloaded or handle.lease.layer is not self:
             return unpack_saved(handle)
+        return self._pop(handle)
+
+    def _pop(self, handle: _Offloaded) -> torch.Tensor:
         if handle.lease is not self._live_lease():
             raise OffloadStateError(
                 f"cpu_offload: a saved tensor of {self.name} was used after the layer's "
@@ -257,13 +287,19 @@ class OffloadableLayerState:
             )
         index = handle.index
         self._check_version(index)
-        if self.state in (LayerState.NOT_OFFLOADED, LayerState.OFFLOAD_STARTED):
-            return self._pushed.tensor_list[index]
-        if self.state is LayerState.OFFLOAD_FINISHED:
+        state = self.state
+        if state is not LayerState.RELOAD_STARTED:
+            if state is not LayerState.OFFLOAD_FINISHED:  # not copied, or being copied
+                return self._pushed.tensor_list[index]
             self._reload_on_demand()
-        self.backend.wait_event(self.backend.current_stream(), self._reloaded.events[index])
+        backend = self.backend
+        if self._reload_event is not None:
+            key = backend.current_stream_key()
+            if key != self._reload_waited_on:  # once per layer and stream
+                backend.wait_event(backend.current_stream(), self._reload_event)
+                self._reload_waited_on = key
         tensor = self._reloaded.tensor_list[index]
-        self.backend.before_handoff(tensor, self.name)
+        backend.before_handoff(tensor, self.name)
         return tensor
 
     def _live_lease(self) -> _Lease | None:
@@ -304,22 +340,26 @@ class OffloadableLayerState:
         if not self._pushed.tensor_list:
             return
         self._note_modified()
-        self._unique = TensorGroupProcessor.process_before_offload(self._pushed)
+        pushed = self._pushed
+        self._unique = TensorGroupProcessor.process_before_offload(pushed)
         self._host = self.host_buffers.acquire(self.layer_index, self._unique.tensor_list)
-        stream = self.offload_stream
-        for ready in self._unique.events:  # every copy after its tensor's ready event
-            self.backend.wait_event(stream, ready)
+        backend, stream = self.backend, self.offload_stream
+        if self._push_stream is not None:  # covers every tensor pushed on that stream
+            backend.wait_event(stream, backend.record_event(self._push_stream))
+        waited: set[int] = set()
+        for ready in pushed.events:  # marked tensors, other streams, modified tensors
+            if ready is not None and id(ready) not in waited:
+                waited.add(id(ready))
+                backend.wait_event(stream, ready)
         timer = self.copy_timer
         start = timer.start(stream) if timer is not None else None
-        nbytes = 0
-        for host, tensor in zip(self._host, self._unique.tensor_list):
-            self.backend.copy(host, tensor, stream, self.name)
-            nbytes += host.numel() * host.element_size()
+        backend.copy_many(self._host, self._unique.tensor_list, stream, self.name)
+        nbytes = sum(host.numel() * host.element_size() for host in self._host)
         self.stats.tensors_offloaded += len(self._host)
         self.stats.bytes_offloaded += nbytes
         if timer is not None:
             timer.stop("d2h", nbytes, start, stream)
-        self._in_flight = [self.backend.record_event(stream)]
+        self._in_flight = [backend.record_event(stream)]
 
     def _note_modified(self) -> None:
         """Record tensors modified in place since their push; their copies wait for now.
@@ -343,7 +383,7 @@ class OffloadableLayerState:
 
     @torch.no_grad()
     def start_reload(self) -> None:
-        """Queue host-to-device copies on the offload stream, one event per tensor."""
+        """Queue host-to-device copies on the offload stream, one event for the layer."""
         self._require("start_reload", LayerState.OFFLOAD_FINISHED)
         self.state = LayerState.RELOAD_STARTED
         if not self._host:
@@ -352,19 +392,19 @@ class OffloadableLayerState:
         backend, stream = self.backend, self.offload_stream
         targets = [backend.empty_device(host) for host in self._host]
         backend.wait_stream(stream, backend.current_stream())
-        group = TensorGroup(aux=self._unique.aux)
         timer = self.copy_timer
         start = timer.start(stream) if timer is not None else None
-        nbytes = 0
-        for target, host in zip(targets, self._host):
-            backend.copy(target, host, stream, self.name)
-            group.append(target, backend.record_event(stream))
-            nbytes += host.numel() * host.element_size()
+        backend.copy_many(targets, self._host, stream, self.name)
+        nbytes = sum(host.numel() * host.element_size() for host in self._host)
         self.stats.tensors_reloaded += len(targets)
         self.stats.bytes_reloaded += nbytes
         if timer is not None:
             timer.stop("h2d", nbytes, start, stream)
-        self._in_flight = list(group.events)
+        # One event for the layer: its first pop waits for every copy.
+        event = self._reload_event = backend.record_event(stream)
+        self._reload_waited_on = _NOT_WAITED
+        self._in_flight = [event]
+        group = TensorGroup(targets, [event] * len(targets), aux=self._unique.aux)
         self._reloaded = TensorGroupProcessor.process_after_reload(group)
 
     def release_all_memory(self) -> None:
@@ -436,9 +476,10 @@ class OffloadableLayerState:
 
 def unpack_saved(handle: Any) -> Any:
     """The unpack hook: turn whatever a pack hook returned back into a tensor."""
-    if isinstance(handle, _Offloaded):
-        return handle.lease.layer.pop_tensor(handle)
-    if isinstance(handle, _Kept):
+    kind = type(handle)
+    if kind is _Offloaded:
+        return handle.lease.layer._pop(handle)
+    if kind is _Kept:
         return handle.unpack()
     if isinstance(handle, _Decomposed):
         components = [None if part is None else unpack_saved(part) for part in handle.parts]

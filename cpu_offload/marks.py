@@ -49,6 +49,8 @@ _not_offloaded: dict[int, StorageWeakRef] = {}
 
 def marks_of(tensor: torch.Tensor) -> TensorMarks | None:
     """The marks of ``tensor``, or ``None`` when it has none."""
+    if not _table.data:  # the common case; a lookup would build a weak reference
+        return None
     return _table.get(tensor)
 
 

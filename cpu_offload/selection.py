@@ -8,7 +8,6 @@ import threading
 import warnings
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .marks import is_marked_not_offload, marks_of
 from .tensor_group import offloads_through_base
@@ -120,10 +119,10 @@ def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool
     """
     if type(tensor) is not torch.Tensor:
         return False  # parameters, tensor subclasses (nested, fake, DTensor, ...)
-    if tensor.device != device or tensor.layout is not torch.strided:
-        return False
     numel = tensor.numel()
     if numel < min_numel or numel == 0:
+        return False
+    if tensor.device != device or tensor.layout is not torch.strided:
         return False
     base = tensor._base
     if isinstance(base, torch.nn.Parameter):
@@ -131,10 +130,8 @@ def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool
     marks = marks_of(tensor)
     if is_marked_not_offload(tensor, marks):
         return False
-    if tensor.is_conj() or tensor.is_neg() or is_fake(tensor):
-        return False
-    if torch._is_functional_tensor(tensor):
-        return False
+    if tensor.is_conj() or tensor.is_neg() or torch._is_functional_tensor(tensor):
+        return False  # (fake tensors are a subclass, refused above)
     if tensor.requires_grad and _is_cast_of_parameter(tensor):
         return False
     if offloads_through_base(tensor, marks):

@@ -211,6 +211,15 @@ class OffloadSynchronizer:
         """MiB of offloaded data in host memory now, over all passes in flight."""
         return sum(p.get_offloaded_total_size_mb() for p in self.in_flight_passes())
 
+    def host_memory_stats(self) -> dict[str, int]:
+        """Host memory held for offloaded tensors (see :meth:`HostBufferPool.stats`).
+
+        ``reserved_bytes`` (held, in use or cached), ``in_use_bytes``,
+        ``requested_bytes``, ``peak_requested_bytes``, ``num_host_alloc`` and
+        ``num_host_free``.  ``host_buffers.empty_cache()`` frees the cached part.
+        """
+        return self.host_buffers.stats()
+
 
 class DefaultOffloadSynchronizer(OffloadSynchronizer):
     """Offloads layers ``0..k-1`` of every pass on a fixed schedule.

@@ -22,12 +22,13 @@ ViewSpec = tuple[torch.Size, tuple[int, ...], int]
 
 @dataclass
 class TensorGroup:
-    """Tensors of one layer, with one event per tensor.
+    """Tensors of one layer, with one event (or ``None``) per tensor.
 
     Attributes:
         tensor_list: the tensors.
         events: for tensors on the device before offload, the event after which they
-            may be read; after reload, the event after which they are filled.
+            may be read (``None``: the layer's own event covers it); after reload, the
+            event after which they are filled.
         aux: the :class:`GroupLayout` needed to undo group processing.
     """
 
@@ -90,7 +91,7 @@ class TensorGroupProcessor:
         unique = TensorGroup()
         index_of: dict[int, int] = {}
         for tensor, event in zip(group.tensor_list, group.events):
-            if offloads_through_base(tensor):
+            if tensor._base is not None and offloads_through_base(tensor):
                 base = tensor._base
                 offset = tensor.storage_offset() - base.storage_offset()
                 views.append((tensor.shape, tensor.stride(), offset))
@@ -100,7 +101,8 @@ class TensorGroupProcessor:
             key = id(tensor)
             if key in index_of:
                 # Keep the latest ready event: the copy waits for every push.
-                unique.events[index_of[key]] = event
+                if event is not None:
+                    unique.events[index_of[key]] = event
             else:
                 index_of[key] = unique.append(tensor, event)
             source_index.append(index_of[key])

@@ -43,6 +43,21 @@ PRESETS: dict[str, dict[str, object]] = {
         warmup=3,
         steps=10,
     ),
+    # Host cost of the hooks per saved tensor (bench/hooks.py): 16 small layers of
+    # Linear, GELU and LayerNorm; hidden is their width, steps the interleaved rounds.
+    "hooks": dict(
+        hidden=64,
+        heads=1,
+        kv_heads=1,
+        ffn=64,
+        seq=1,
+        batch=32,
+        layers=16,
+        dtype="fp32",
+        offload="",  # the hooks preset runs its own modes (k = layers - 1)
+        warmup=3,
+        steps=30,
+    ),
 }
 
 

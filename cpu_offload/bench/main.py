@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import platform
 import sys
 import time
@@ -13,7 +15,8 @@ import torch
 from ..device import get_backend
 from ..llama import LlamaConfig, LlamaLayer
 from .config import DTYPES, BenchConfig, parse_args
-from .measure import ModeResult, measure_ceiling, measure_mode
+from .hooks import measure_hook_costs, print_hook_costs
+from .measure import ModeResult, measure_ceiling, measure_modes
 from .modes import make_mode
 from .report import print_table, write_json, write_plot
 
@@ -35,7 +38,7 @@ def run_benchmark(config: BenchConfig) -> tuple[list[ModeResult], dict[str, floa
         torch.randn(config.batch, config.seq, config.hidden, generator=generator)
         .to(backend.device, dtype)
         .requires_grad_()
-        for _ in range(config.warmup + config.steps)
+        for _ in range(config.steps)
     ]
     environment = {
         "device": str(backend.device),
@@ -45,15 +48,20 @@ def run_benchmark(config: BenchConfig) -> tuple[list[ModeResult], dict[str, floa
         "platform": platform.platform(),
         "command": "python -m cpu_offload.bench " + " ".join(sys.argv[1:]),
     }
-    results = []
-    for number, name in enumerate(config.modes, 1):
-        began = time.perf_counter()
-        print(f"[{number}/{len(config.modes)}] {name} ...", end="", flush=True)
-        mode = make_mode(name, config.layers, backend, config.min_offload_numel)
-        results.append(measure_mode(mode, layers, inputs, backend, config.warmup))
-        note = results[-1].skipped or f"{time.perf_counter() - began:.1f} s"
-        print(f" {note}", flush=True)
-        del mode
+    modes = [
+        make_mode(name, config.layers, backend, config.min_offload_numel) for name in config.modes
+    ]
+    for mode in modes:
+        if mode.skip_reason:
+            print(f"{mode.name}: skipped, {mode.skip_reason}", flush=True)
+    began = time.perf_counter()
+
+    def progress(name: str) -> None:
+        print(f"warmed up {name} ({time.perf_counter() - began:.1f} s)", flush=True)
+
+    print(f"measuring {len(inputs)} interleaved steps per mode ...", flush=True)
+    results = measure_modes(modes, layers, inputs, backend, config.warmup, progress=progress)
+    del modes
     ceiling_mib = config.ceiling_mib or (64 if backend.device.type == "cpu" else 1024)
     ceiling = measure_ceiling(backend, ceiling_mib * 2**20)
     _derive(results, config.layers)
@@ -88,6 +96,8 @@ def _derive(results: list[ModeResult], layers: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
+    if config.preset == "hooks":
+        return _main_hooks(config)
     results, ceiling, environment = run_benchmark(config)
     print(
         f"\n{environment['device']} ({environment['device_name']}), torch "
@@ -104,4 +114,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         reason = write_plot(config.plot, results, title)
         print(f"plot not written: {reason}" if reason else f"plot written to {config.plot}")
+    return 0
+
+
+def _main_hooks(config: BenchConfig) -> int:
+    backend = get_backend(config.device)
+    results = measure_hook_costs(
+        backend, config.layers, config.hidden, config.batch, config.steps, config.warmup
+    )
+    print(
+        f"\n{backend.device} ({_device_name(backend.device)}), torch {torch.__version__}, "
+        f"preset hooks: {config.layers} layers of Linear+GELU+LayerNorm, width "
+        f"{config.hidden}, batch {config.batch}, {config.steps} interleaved rounds"
+    )
+    print_hook_costs(results)
+    if config.json:
+        environment = {"device": str(backend.device), "torch": torch.__version__}
+        with open(config.json, "w") as handle:
+            json.dump(
+                {"environment": environment, "modes": [dataclasses.asdict(r) for r in results]},
+                handle,
+                indent=2,
+            )
+        print(f"figures written to {config.json}")
     return 0

@@ -11,7 +11,7 @@ import torch
 from ..device import DeviceBackend
 from .modes import Mode
 
-__all__ = ["ModeResult", "measure_ceiling", "measure_mode"]
+__all__ = ["ModeResult", "measure_ceiling", "measure_modes"]
 
 
 @dataclass
@@ -68,44 +68,90 @@ def _step(
     return start.elapsed_time(end), baseline, end_of_forward, backend.max_memory_allocated()
 
 
-def measure_mode(
-    mode: Mode, layers: Any, inputs: list[torch.Tensor], backend: DeviceBackend, warmup: int
-) -> ModeResult:
-    result = ModeResult(mode.name, skipped=mode.skip_reason)
-    if mode.skip_reason:
-        return result
-    for x in inputs[:warmup]:
-        _step(mode, layers, x, backend, None)
-    pool = mode.synchronizer.host_buffers if mode.synchronizer is not None else None
-    allocations = pool.allocations if pool is not None else 0
-    offloaded = mode.synchronizer.stats.bytes_offloaded if mode.synchronizer else 0
-    if mode.copy_timer is not None:
-        mode.copy_timer.reset()
-    measured = inputs[warmup:]
-    with backend.count_host_syncs() as syncs:
-        for index, x in enumerate(measured):
-            trace = result.memory_trace if index == len(measured) - 1 else None
-            ms, baseline, end_of_forward, peak = _step(mode, layers, x, backend, trace)
+class _Measurement:
+    """What one mode has measured so far, between interleaved steps."""
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+        self.result = ModeResult(mode.name, skipped=mode.skip_reason)
+        self.syncs: int | None = 0
+        self.allocations = 0
+        self.offloaded = 0
+
+    def start(self) -> None:
+        """Called after warmup: counters start from here."""
+        synchronizer = self.mode.synchronizer
+        if synchronizer is not None:
+            self.allocations = synchronizer.host_buffers.allocations
+            self.offloaded = synchronizer.stats.bytes_offloaded
+        if self.mode.copy_timer is not None:
+            self.mode.copy_timer.reset()
+
+
+def _allocations(mode: Mode) -> int:
+    return mode.synchronizer.host_buffers.allocations if mode.synchronizer is not None else 0
+
+
+def measure_modes(
+    modes: list[Mode],
+    layers: Any,
+    inputs: list[torch.Tensor],
+    backend: DeviceBackend,
+    warmup: int,
+    max_warmup: int = 20,
+    progress: Any = None,
+) -> list[ModeResult]:
+    """Measure every mode on the same inputs, interleaved: one step of each in turn.
+
+    Each mode warms up for ``warmup`` steps and then until a step allocates no host
+    buffer (at most ``max_warmup`` steps), so that measured steps are steady ones.
+    Interleaving spreads slow phases of the machine over every mode alike.
+    """
+    running = [_Measurement(mode) for mode in modes]
+    live = [m for m in running if not m.result.skipped]
+    for measurement in live:
+        mode = measurement.mode
+        for step in range(max_warmup):
+            before = _allocations(mode)
+            _step(mode, layers, inputs[step % len(inputs)], backend, None)
+            if step + 1 >= warmup and _allocations(mode) == before:
+                break
+        measurement.start()
+        if progress is not None:
+            progress(mode.name)
+    for index, x in enumerate(inputs):
+        last = index == len(inputs) - 1
+        for measurement in live:
+            mode, result = measurement.mode, measurement.result
+            with backend.count_host_syncs() as syncs:
+                ms, baseline, end_of_forward, peak = _step(
+                    mode, layers, x, backend, result.memory_trace if last else None
+                )
             result.step_ms.append(ms)
-    result.baseline_bytes, result.end_of_forward_bytes, result.peak_bytes = (
-        baseline,
-        end_of_forward,
-        peak,
-    )
-    result.median_step_ms = statistics.median(result.step_ms)
-    result.spread_ms = (min(result.step_ms), max(result.step_ms))
-    steps = len(measured)
-    if syncs is not None:
-        result.host_syncs_per_step = syncs[0] / steps
-    if mode.synchronizer is not None:
-        result.bytes_offloaded_per_step = (
-            mode.synchronizer.stats.bytes_offloaded - offloaded
-        ) // steps
-        result.pinned_allocations_per_step = (pool.allocations - allocations) / steps
-    if mode.copy_timer is not None:
-        result.d2h_bytes_per_s = mode.copy_timer.bandwidth("d2h")
-        result.h2d_bytes_per_s = mode.copy_timer.bandwidth("h2d")
-    return result
+            if syncs is None or measurement.syncs is None:
+                measurement.syncs = None
+            else:
+                measurement.syncs += syncs[0]
+            if last:
+                result.baseline_bytes = baseline
+                result.end_of_forward_bytes = end_of_forward
+                result.peak_bytes = peak
+    steps = len(inputs)
+    for measurement in live:
+        mode, result = measurement.mode, measurement.result
+        result.median_step_ms = statistics.median(result.step_ms)
+        result.spread_ms = (min(result.step_ms), max(result.step_ms))
+        if measurement.syncs is not None:
+            result.host_syncs_per_step = measurement.syncs / steps
+        if mode.synchronizer is not None:
+            offloaded = mode.synchronizer.stats.bytes_offloaded - measurement.offloaded
+            result.bytes_offloaded_per_step = offloaded // steps
+            allocated = _allocations(mode) - measurement.allocations
+            result.pinned_allocations_per_step = allocated / steps
+        if mode.copy_timer is not None:
+            result.d2h_bytes_per_s = mode.copy_timer.bandwidth("d2h")
+            result.h2d_bytes_per_s = mode.copy_timer.bandwidth("h2d")
+    return [m.result for m in running]
 
 
 def measure_ceiling(backend: DeviceBackend, nbytes: int, repeats: int = 5) -> dict[str, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,7 +15,7 @@ from ..context import get_cpu_offload_context
 from ..copy_timer import CopyTimer
 from ..device import DeviceBackend
 
-__all__ = ["Mode", "make_mode"]
+__all__ = ["Mode", "make_mode", "save_on_cpu"]
 
 Boundary = Callable[[torch.Tensor], torch.Tensor]
 
@@ -61,10 +62,21 @@ class SaveOnCpuMode(Mode):
     name = "save_on_cpu"
 
     def __init__(self, backend: DeviceBackend) -> None:
-        self.pin = backend.pin_memory
+        self.backend = backend
 
     def around_forward(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.autograd.graph.save_on_cpu(pin_memory=self.pin)
+        return save_on_cpu(self.backend)
+
+
+def save_on_cpu(backend: DeviceBackend) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autograd.graph.save_on_cpu`` pinning for ``backend``'s device type.
+
+    Without ``device_type`` it pins only for CUDA; it is passed where torch accepts it.
+    """
+    pin = backend.pin_memory
+    if "device_type" in inspect.signature(torch.autograd.graph.save_on_cpu).parameters:
+        return torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=backend.device_type)
+    return torch.autograd.graph.save_on_cpu(pin_memory=pin)  # pragma: no cover - older torch
 
 
 class CheckpointMode(Mode):
@@ -78,12 +90,20 @@ class TorchtuneMode(Mode):
     name = "torchtune"
 
     def __init__(self, backend: DeviceBackend) -> None:
+        if backend.device.type != "cuda":
+            # OffloadActivations calls torch.cuda even with use_streams=False.
+            self.skip_reason = (
+                f"torchtune's OffloadActivations needs CUDA, not {backend.device.type}"
+            )
+            return
         try:
             from torchtune.training import OffloadActivations  # type: ignore[import-not-found]
         except ImportError as error:
-            self.skip_reason = f"torchtune is not importable ({error}); pip install torchtune"
+            self.skip_reason = (
+                f"torchtune is not importable ({error}); pip install 'cpu-offload[peers]'"
+            )
             return
-        self._factory = lambda: OffloadActivations(use_streams=backend.device.type == "cuda")
+        self._factory = lambda: OffloadActivations(use_streams=True)
 
     @contextlib.contextmanager
     def around_forward(self) -> Iterator[None]:

@@ -303,6 +303,21 @@ def compiled_autograd(off: Offload) -> list[torch.Tensor]:
     return [x.grad, w.grad]
 
 
+def varying_lengths_and_dropped_forwards(off: Offload) -> list[torch.Tensor]:
+    """Steps of changing lengths (host blocks reused as other layouts), a permuted
+    saved tensor, and a forward whose graph is dropped between steps."""
+    w = leaf(4, 4)
+    fns = [lambda h: (h @ w).transpose(0, 1).sin(), lambda h: h.t().exp(), torch.tanh]
+    ctx, sync_fn = off.context()
+    grads = []
+    for length in (16, 3, 40, 7):
+        x = leaf(length, 4)
+        chain(fns, x, ctx, sync_fn).square().sum().backward()
+        grads.append(x.grad)
+        chain(fns, leaf(length + 1, 4), ctx, sync_fn)  # dropped without backward
+    return [*grads, w.grad]
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -339,6 +354,7 @@ PROGRAMS = {
     "reentrant checkpoint inside hooks": Row(offloaded_checkpointed_layers(True)),
     "one module at every position": Row(shared_module),
     "compiled autograd": Row(compiled_autograd),
+    "varying lengths, dropped forwards": Row(varying_lengths_and_dropped_forwards),
 }
 
 

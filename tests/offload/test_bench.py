@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -59,7 +60,7 @@ def test_smoke_run_reports_every_figure(tmp_path, capsys):
     report, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     assert main([*SMALL, "--json", str(report), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert "raw copy ceiling" in out and "[6/6] torchtune" in out
+    assert "raw copy ceiling" in out and "measuring 2 interleaved steps per mode" in out
     document = json.loads(report.read_text())
     assert document["environment"]["torch"] == torch.__version__
     assert set(document["ceiling_bytes_per_s"]) == {"d2h", "h2d"}
@@ -131,3 +132,39 @@ def test_copy_timer():
     assert timer.totals("d2h")[0] == 4 << 20 and timer.bandwidth("d2h") > 0
     timer.reset()
     assert timer.spans == []
+
+
+def test_save_on_cpu_baseline_pins_for_the_backend_device_type(monkeypatch):
+    from types import SimpleNamespace
+
+    from cpu_offload.bench import modes
+
+    calls = []
+
+    def recorder(pin_memory: bool = False, device_type: str = "cuda"):
+        calls.append((pin_memory, device_type))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", recorder)
+    modes.save_on_cpu(SimpleNamespace(pin_memory=True, device_type="npu"))
+    assert calls == [(True, "npu")]
+
+
+def test_hooks_preset_reports_the_cost_per_tensor(tmp_path, capsys):
+    report = tmp_path / "hooks.json"
+    args = ["--preset", "hooks", "--layers", "3", "--steps", "2", "--warmup", "1"]
+    assert main([*args, "--json", str(report)]) == 0
+    assert "vs save_on_cpu" in capsys.readouterr().out
+    modes = {m["mode"]: m for m in json.loads(report.read_text())["modes"]}
+    assert list(modes) == ["none", "hooks:stay", "hooks:move", "save_on_cpu", "copy_hooks"]
+    # 3 layers of 4 (Linear, GELU, LayerNorm) blocks save 32 tensors each; hooks on 2.
+    assert modes["hooks:stay"]["tensors_per_step"] == 2 * 32
+    assert modes["save_on_cpu"]["tensors_per_step"] == 3 * 32
+    assert modes["hooks:move"]["tensors_per_step"] == 2 * 4 * 5  # inputs, mean, rstd
+    assert all(len(m["step_ms"]) == 2 for m in modes.values())
+    assert modes["hooks:move"]["ratio_to_save_on_cpu"] is not None
+
+
+def test_torchtune_row_is_skipped_off_cuda_with_the_reason():
+    mode = make_mode("torchtune", 3, get_backend("cpu"), 0)
+    assert mode.skip_reason == "torchtune's OffloadActivations needs CUDA, not cpu"

@@ -230,3 +230,68 @@ def test_retained_buffers_are_reused_and_shape_change_is_an_error(streams):
     with pytest.raises(Exception, match=r"retain_pinned_cpu_buffers=True .* layer 3") as info:
         state.start_offload()
     assert "(64, 8)" in str(info.value) and "(32, 8)" in str(info.value)
+
+
+class _CountingBackend(type(get_backend("cpu"))):
+    """The host backend with a current stream that a test can switch, counting events."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = "compute"
+        self.recorded: list[object] = []
+        self.waited: list[object] = []
+
+    def current_stream_key(self):
+        return self.key
+
+    def record_event(self, stream=None):
+        event = super().record_event(stream)
+        self.recorded.append(event)
+        return event
+
+    def wait_event(self, stream, event) -> None:
+        self.waited.append(event)
+
+
+def _counting_state() -> tuple[OffloadableLayerState, _CountingBackend]:
+    backend = _CountingBackend()
+    state = OffloadableLayerState(
+        0, backend, backend.new_stream(), HostBufferPool(backend, False), 0
+    )
+    return state, backend
+
+
+def test_one_event_covers_the_layer_at_push_offload_and_reload():
+    state, backend = _counting_state()
+    tensors = [torch.randn(16, 8) for _ in range(20)]
+    handles = [state.push_tensor(t) for t in tensors]
+    assert backend.recorded == []  # no event per saved tensor
+    state.start_offload()
+    assert len(backend.recorded) == 2  # ready (on the push stream), copies finished
+    assert backend.waited == [backend.recorded[0]]
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    assert len(backend.recorded) == 3  # one for the reload of the whole layer
+    backend.waited.clear()
+    popped = [state.pop_tensor(h) for h in reversed(handles)]
+    assert backend.waited == [backend.recorded[2]]  # the first pop waits, once
+    assert all(torch.equal(p, t) for p, t in zip(reversed(popped), tensors))
+
+
+def test_tensors_saved_on_another_stream_keep_their_own_event():
+    state, backend = _counting_state()
+    first = state.push_tensor(torch.randn(16, 8))
+    backend.key = "side stream"
+    side = torch.randn(16, 8)
+    second = state.push_tensor(side)
+    assert len(backend.recorded) == 1  # the side-stream tensor's own event
+    own = backend.recorded[0]
+    state.start_offload()
+    assert own in backend.waited and backend.recorded[1] in backend.waited
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    assert torch.equal(state.pop_tensor(second), side)
+    backend.key = "compute"
+    backend.waited.clear()
+    state.pop_tensor(first)
+    assert backend.waited == [backend.recorded[-1]]  # a pop on another stream waits again

@@ -22,8 +22,12 @@ def fresh_warnings(monkeypatch):
 def run(layer_fns, x, k=1, manual=False, **options):
     """Gradient of ``x`` and the synchronizer, through ``len(layer_fns)`` layers."""
     result = get_cpu_offload_context(
-        True, None if manual else k, len(layer_fns), manual_synchronization=manual,
-        min_offload_numel=0, **options
+        True,
+        None if manual else k,
+        len(layer_fns),
+        manual_synchronization=manual,
+        min_offload_numel=0,
+        **options,
     )
     ctx, sync_fn = result[0], result[1]
     x = x.detach().requires_grad_()
@@ -136,6 +140,7 @@ def test_on_demand_reload_advice_fits_the_mode():
 def test_start_offload_inside_torch_compile_changes_the_advice(streams):
     if streams is not None:
         pytest.skip("dynamo runs the function uncompiled under the simulator's dispatch mode")
+
     def attention_like(h):
         qkv = h @ torch.ones(8, 24)
         q, k, v = qkv.chunk(3, dim=-1)

@@ -45,7 +45,7 @@ def without_event_waits(monkeypatch, method_name):
 
 
 def test_hazard_pop_without_reload_wait(monkeypatch):
-    without_event_waits(monkeypatch, "pop_tensor")
+    without_event_waits(monkeypatch, "_pop")
     layers = make_layers("mlp", 4, WIDTH, torch.float32)
     with pytest.raises(StreamHazardError, match="handed back to autograd while the copy"):
         with strict_streams():

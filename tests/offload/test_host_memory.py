@@ -1,0 +1,168 @@
+"""The host memory pool stays bounded by the peak need, whatever the shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import assert_bit_identical, forward, make_layers
+
+from cpu_offload import get_cpu_offload_context
+from cpu_offload.device import HostBackend
+from cpu_offload.host_buffers import MIN_BLOCK_BYTES, HostBufferPool, size_class
+
+WIDTH = 32
+MiB = 2**20
+
+
+def _input(seq: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(2, seq, WIDTH, generator=generator).requires_grad_()
+
+
+def _offloaded_bytes(synchronizer, run) -> int:
+    before = synchronizer.stats.bytes_offloaded
+    run()
+    return synchronizer.stats.bytes_offloaded - before
+
+
+def test_size_classes_are_powers_of_two_from_the_smallest_block():
+    assert size_class(1) == MIN_BLOCK_BYTES
+    assert size_class(MIN_BLOCK_BYTES + 1) == 2 * MIN_BLOCK_BYTES
+    assert size_class(3 * MiB) == 4 * MiB
+    assert size_class(4 * MiB) == 4 * MiB
+
+
+def test_views_have_the_requested_layout_and_do_not_overlap():
+    pool = HostBufferPool(HostBackend(), retain=False)
+    tensors = [
+        torch.randn(3, 5),
+        torch.randn(4, 6).t(),  # permuted: dense with its own strides
+        torch.zeros(7, dtype=torch.bool),
+        torch.randn(2, 3, dtype=torch.complex64),
+    ]
+    buffers = pool.acquire(0, tensors)
+    for buffer, tensor in zip(buffers, tensors):
+        assert (buffer.shape, buffer.stride(), buffer.dtype) == (
+            tensor.shape,
+            tensor.stride(),
+            tensor.dtype,
+        )
+        buffer.copy_(tensor)
+    for buffer, tensor in zip(buffers, tensors):
+        assert torch.equal(buffer, tensor)  # no buffer wrote into another
+    assert pool.stats()["requested_bytes"] == sum(t.numel() * t.element_size() for t in tensors)
+    pool.release(0, buffers)
+    stats = pool.stats()
+    assert stats["in_use_bytes"] == stats["requested_bytes"] == 0
+    assert stats["reserved_bytes"] == 4 * MIN_BLOCK_BYTES
+
+
+def test_a_smaller_request_reuses_a_larger_free_block():
+    pool = HostBufferPool(HostBackend(), retain=False)
+    pool.release(0, pool.acquire(0, [torch.empty(100_000)]))
+    assert pool.allocations == 1
+    pool.release(0, pool.acquire(0, [torch.empty(3_000)]))
+    assert pool.allocations == 1
+
+
+def test_random_sequence_lengths_keep_the_pool_bounded(streams):
+    """200 steps with random lengths 16-512: the pool stays within 2x one step's need."""
+    layers = make_layers("transformer", 4, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+    synchronizer = ctx.offload_synchronizer
+    rng = random.Random(0)
+    largest_step = 0
+    allocations = []
+    for step in range(200):
+        x = _input(rng.randint(16, 512), step)
+        moved = _offloaded_bytes(
+            synchronizer, lambda x=x: forward(layers, x, ctx, sync_fn).sum().backward()
+        )
+        largest_step = max(largest_step, moved)
+        allocations.append(synchronizer.host_memory_stats()["num_host_alloc"])
+    stats = synchronizer.host_memory_stats()
+    assert stats["in_use_bytes"] == 0
+    assert stats["reserved_bytes"] <= 2 * largest_step + MiB, (stats, largest_step)
+    assert stats["num_host_alloc"] - stats["num_host_free"] > 0
+    # Allocations stop: once the largest shapes were seen, later steps allocate nothing.
+    assert allocations[-1] == allocations[100], allocations[95:]
+
+
+def test_a_block_too_small_for_every_request_is_freed_when_the_bound_needs_room():
+    pool = HostBufferPool(HostBackend(), retain=False)
+    pool.release(0, pool.acquire(0, [torch.empty(3 * MiB, dtype=torch.uint8)]))  # a 4 MiB block
+    pool.release(0, pool.acquire(0, [torch.empty(5 * MiB, dtype=torch.uint8)]))  # needs 8 MiB
+    stats = pool.stats()
+    assert (stats["num_host_alloc"], stats["num_host_free"]) == (2, 1)
+    assert stats["reserved_bytes"] == 8 * MiB <= 2 * stats["peak_requested_bytes"]
+
+
+def test_growing_sequence_lengths_stay_within_the_bound(streams):
+    layers = make_layers("transformer", 4, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+    synchronizer = ctx.offload_synchronizer
+    moved = []
+    for step, seq in enumerate((16, 64, 256, 1024)):
+        x = _input(seq, step)
+        moved.append(
+            _offloaded_bytes(
+                synchronizer, lambda x=x: forward(layers, x, ctx, sync_fn).sum().backward()
+            )
+        )
+    assert synchronizer.host_memory_stats()["reserved_bytes"] <= 2 * moved[-1] + MiB
+
+
+def test_dropped_forwards_return_their_buffers(streams):
+    """50 validation forwards with grad enabled leave the pool where one step leaves it."""
+    layers = make_layers("transformer", 4, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+    synchronizer = ctx.offload_synchronizer
+    x = _input(128, 0)
+    forward(layers, x, ctx, sync_fn).sum().backward()
+    after_one_step = synchronizer.host_memory_stats()
+    for _ in range(50):
+        out = forward(layers, x, ctx, sync_fn)
+        assert synchronizer.host_memory_stats()["in_use_bytes"] > 0
+        del out
+    assert synchronizer.host_memory_stats() | {"peak_requested_bytes": 0} == after_one_step | {
+        "peak_requested_bytes": 0
+    }
+
+
+def test_empty_cache_frees_the_free_blocks_and_keeps_working(streams):
+    layers = make_layers("transformer", 2, WIDTH, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 1, 2, min_offload_numel=0)
+    synchronizer = ctx.offload_synchronizer
+    x = _input(64, 0)
+    layers.zero_grad()
+    forward(layers, x, ctx, sync_fn).sum().backward()
+    expected = [p.grad.clone() for p in layers.parameters()]
+    before = synchronizer.host_memory_stats()
+    synchronizer.host_buffers.empty_cache()
+    stats = synchronizer.host_memory_stats()
+    assert stats["reserved_bytes"] == 0
+    assert stats["num_host_free"] == before["num_host_alloc"]
+    layers.zero_grad()
+    forward(layers, x, ctx, sync_fn).sum().backward()
+    assert_bit_identical(expected, [p.grad.clone() for p in layers.parameters()])
+    assert synchronizer.host_memory_stats()["reserved_bytes"] == before["reserved_bytes"]
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_stats_count_retained_buffers(streams, retain):
+    layers = make_layers("mlp", 3, 8, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(
+        True, 2, 3, min_offload_numel=0, retain_pinned_cpu_buffers=retain
+    )
+    synchronizer = ctx.offload_synchronizer
+    x = torch.randn(16, 8, requires_grad=True)
+    for _ in range(3):
+        forward(layers, x, ctx, sync_fn).sum().backward()
+    stats = synchronizer.host_memory_stats()
+    assert stats["num_host_alloc"] == 2 * 3  # two layers, three saved tensors each
+    assert stats["reserved_bytes"] == 6 * MIN_BLOCK_BYTES
+    assert stats["in_use_bytes"] == (6 * MIN_BLOCK_BYTES if retain else 0)
+    synchronizer.host_buffers.empty_cache()
+    assert synchronizer.host_memory_stats()["reserved_bytes"] == 0
