@@ -27,7 +27,7 @@ PRESETS: dict[str, dict[str, object]] = {
         dtype="fp32",
         offload="1,2,3",
         warmup=1,
-        steps=3,
+        steps=5,
     ),
     # One Llama-3-8B layer's shapes, a stack of 8.
     "llama8b-layer": dict(
