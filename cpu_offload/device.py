@@ -27,6 +27,7 @@ __all__ = [
     "HostBackend",
     "StreamBackend",
     "available_device_type",
+    "distributed_setup",
     "get_backend",
     "override_host_backend",
     "supports_fp8_matmul",
@@ -34,6 +35,9 @@ __all__ = [
 
 # Accelerators with a CUDA-like runtime module: torch.<name>.Stream, .Event, ...
 _STREAM_DEVICE_TYPES = ("cuda", "npu", "xpu")
+# Whether the runtime's sync debug mode warns through Python's warnings (torch_npu
+# logs them in C++ only).
+_SYNC_WARNINGS_IN_PYTHON = {"cuda": True, "npu": False, "xpu": True}
 
 
 class DeviceBackend:
@@ -252,11 +256,19 @@ class StreamBackend(DeviceBackend):
 
     @contextlib.contextmanager
     def count_host_syncs(self) -> Iterator[list[int] | None]:
-        """Counts the synchronising calls the runtime's sync debug mode reports."""
+        """Counts the synchronising calls the runtime's sync debug mode reports.
+
+        ``None`` where they cannot be counted: torch_npu writes its sync warnings to
+        the CANN log, never to Python.  CUDA's counter sees synchronising copies,
+        ``synchronize`` and ``.item()``-like calls, but not ``cudaHostAlloc`` (a
+        pinned allocation) nor event waits.  The caller's mode is restored after.
+        """
         set_mode = getattr(self._runtime, "set_sync_debug_mode", None)
-        if set_mode is None:
+        get_mode = getattr(self._runtime, "get_sync_debug_mode", None)
+        if set_mode is None or get_mode is None or not _SYNC_WARNINGS_IN_PYTHON[self.device_type]:
             yield None
             return
+        previous = get_mode()
         count = [0]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -264,7 +276,7 @@ class StreamBackend(DeviceBackend):
             try:
                 yield count
             finally:
-                set_mode("default")
+                set_mode(previous)
                 count[0] = sum("synchroniz" in str(w.message) for w in caught)
 
     def memory_allocated(self) -> int | None:
@@ -342,6 +354,24 @@ def get_backend(device: torch.device | str | None = None) -> DeviceBackend:
             "reports no available device."
         )
     return StreamBackend(device, runtime)
+
+
+#: torch.distributed backend of each device type's collectives.
+_COLLECTIVES = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
+
+
+def distributed_setup(local_rank: int) -> tuple[str, torch.device]:
+    """The process group backend and the device of ``local_rank`` on this machine.
+
+    ``("nccl", cuda:LOCAL_RANK)`` on GPUs, ``("hccl", npu:LOCAL_RANK)`` on Ascend NPUs,
+    ``("gloo", cpu)`` without an accelerator; the device is made the current one.
+    """
+    device_type = available_device_type()
+    if device_type == "cpu":
+        return "gloo", torch.device("cpu")
+    device = torch.device(device_type, local_rank)
+    _runtime_module(device_type).set_device(device)
+    return _COLLECTIVES[device_type], device
 
 
 def supports_fp8_matmul(device: torch.device | str) -> bool:

@@ -1,6 +1,6 @@
 """Activation offload inside pipeline-parallel stages (torch.distributed.pipelining).
 
-Run on two processes (CPU and gloo, or GPUs and nccl):
+Run on two processes (CPU and gloo, GPUs and nccl, or Ascend NPUs and hccl):
 
     torchrun --standalone --nproc-per-node 2 examples/pipeline_parallel.py
     torchrun --standalone --nproc-per-node 2 examples/pipeline_parallel.py --schedule interleaved
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from cpu_offload import offload_layers
-from cpu_offload.device import available_device_type
+from cpu_offload.device import distributed_setup
 from cpu_offload.llama import LlamaConfig, LlamaLayer
 
 CONFIG = LlamaConfig(hidden=64, heads=4, kv_heads=2, ffn=128, layers=0, vocab=128)
@@ -90,13 +90,10 @@ def main() -> int:
     parser.add_argument("--layers-per-stage", type=int, default=4)
     parser.add_argument("--offload", type=int, default=2, help="layers offloaded per stage")
     args = parser.parse_args()
-    device_type = available_device_type()
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    # nccl and cuda:LOCAL_RANK on GPUs, hccl and npu:LOCAL_RANK on NPUs, gloo on the CPU.
+    backend, device = distributed_setup(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     try:
         expected = run(args, rank, world, device, offload=False)
         actual = run(args, rank, world, device, offload=True)

@@ -16,8 +16,12 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):
     """A wrapper tensor subclass holding quantized components.
 
     It has the shape and the nominal (high-precision) dtype of the value it stands
-    for. ``detach`` and ``alias`` share the components; any other op dequantizes its
-    quantized arguments and runs on plain tensors.
+    for. ``detach`` and ``alias`` share the components; ``.to(device)``/``.cpu()`` and
+    ``pin_memory()`` move or pin the components and stay quantized; ``is_pinned()``
+    asks the components.  An op that would modify a quantized tensor in place
+    (``add_``, ``zero_``, ``copy_`` into it, ``out=``) raises: the components cannot
+    hold an arbitrary new value.  Any other op dequantizes its quantized arguments and
+    runs on plain tensors.
 
     Subclasses set ``component_names`` and implement :meth:`dequantize`; their
     constructor takes the components as keyword arguments plus ``shape``, ``dtype``
@@ -66,13 +70,59 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):
     ) -> QuantizedTensor:
         return cls(shape=ctx["shape"], dtype=ctx["dtype"], meta=ctx["meta"], **inner)
 
+    def _map_components(self, fn: Any) -> QuantizedTensor:
+        components = {
+            name: None if t is None else fn(t)
+            for name, t in zip(self.component_names, self.get_data_tensors())
+        }
+        return type(self)(shape=self.shape, dtype=self.dtype, meta=self.meta, **components)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return args[0]._like()
+        if func is torch.ops.aten.is_pinned.default:
+            return all(t.is_pinned() for t in args[0].get_data_tensors() if t is not None)
+        if func is torch.ops.aten._pin_memory.default:
+            return args[0]._map_components(lambda t: t.pin_memory())
+        if func is torch.ops.aten._to_copy.default:
+            moved = _move_components(args[0], kwargs)
+            if moved is not None:
+                return moved
+        _refuse_in_place(func, args, kwargs)
 
         def plain(value: Any) -> Any:
             return value.dequantize() if isinstance(value, QuantizedTensor) else value
 
         return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+
+def _move_components(q: QuantizedTensor, kwargs: dict[str, Any]) -> QuantizedTensor | None:
+    """``q.to(device)`` as a quantized tensor; ``None`` when the call also converts."""
+    if set(kwargs) - {"device", "non_blocking", "dtype", "layout", "pin_memory"}:
+        return None  # memory_format and the like: dequantize
+    if kwargs.get("dtype") not in (None, q.dtype) or kwargs.get("layout") not in (None, q.layout):
+        return None
+    options = {
+        key: kwargs[key] for key in ("device", "non_blocking", "pin_memory") if key in kwargs
+    }
+    return q._map_components(lambda t: torch.ops.aten._to_copy(t, **options))
+
+
+def _refuse_in_place(func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    """Raise when ``func`` writes into a quantized tensor."""
+    schema = func._schema
+    for position, argument in enumerate(schema.arguments):
+        alias = argument.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if isinstance(value, QuantizedTensor):
+            op = f"{schema.name}.{schema.overload_name or 'default'}"
+            raise NotImplementedError(
+                f"{type(value).__name__} does not support {op}: it would modify the "
+                "quantized tensor in place, which its components cannot represent. "
+                "Dequantize it first (q.dequantize()) and modify the plain tensor, or "
+                "quantize the new value with the quantizer."
+            )

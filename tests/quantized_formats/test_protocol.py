@@ -67,3 +67,46 @@ def test_tensor_semantics(quantizer):
     rebuilt = type(q).__tensor_unflatten__(inner, ctx, q.shape, q.stride())
     assert torch.equal(rebuilt.dequantize(), q.dequantize())
     assert "shape=(32, 64)" in repr(q)
+
+
+IN_PLACE = {
+    "add_": lambda q: q.add_(100),
+    "zero_": lambda q: q.zero_(),
+    "copy_": lambda q: q.copy_(torch.zeros(q.shape)),
+    "out=": lambda q: torch.add(torch.ones(q.shape), 1, out=q),
+}
+
+
+@pytest.mark.parametrize("quantizer", QUANTIZERS)
+@pytest.mark.parametrize("op", list(IN_PLACE))
+def test_in_place_ops_on_a_quantized_tensor_raise(quantizer, op):
+    q = quantizer.quantize(torch.randn(32, 64))
+    before = q.dequantize()
+    with pytest.raises(NotImplementedError, match="would modify the quantized tensor in place"):
+        IN_PLACE[op](q)
+    assert torch.equal(q.dequantize(), before)
+
+
+@pytest.mark.parametrize("quantizer", QUANTIZERS)
+def test_a_quantized_tensor_may_be_read_by_in_place_ops_on_plain_tensors(quantizer):
+    q = quantizer.quantize(torch.randn(32, 64))
+    x = torch.zeros(32, 64)
+    x.add_(q)
+    assert torch.equal(x, q.dequantize())
+
+
+@pytest.mark.parametrize("quantizer", QUANTIZERS)
+def test_moving_keeps_the_tensor_quantized_and_converting_dequantizes(quantizer):
+    q = quantizer.quantize(torch.randn(32, 64))
+    moved = q.to("meta")
+    assert type(moved) is type(q) and moved.device.type == "meta"
+    assert all(t is None or t.device.type == "meta" for t in moved.get_data_tensors())
+    copied = q.to("cpu", copy=True)
+    assert type(copied) is type(q)
+    assert all(
+        a is None or (torch.equal(bits(a), bits(b)) and a is not b)
+        for a, b in zip(copied.get_data_tensors(), q.get_data_tensors())
+    )
+    assert q.is_pinned() is False
+    converted = q.to(torch.float64)
+    assert type(converted) is torch.Tensor and torch.equal(converted, q.dequantize().double())
