@@ -137,9 +137,7 @@ class HostBufferPool:
             self._retained[layer_index].append(buffers)  # still lent: fixed addresses
             return
         for view in buffers:
-            block = self._lent.pop(id(view))
-            self._requested -= _nbytes(view)
-            self._in_use -= block.size
+            block = self._take_back(view)
             bisect.insort(self._free_sizes, block.size)
             self._free[block.size].append(block)
 
@@ -152,10 +150,7 @@ class HostBufferPool:
         for sets in self._retained.values():
             for buffers in sets:
                 for view in buffers:
-                    block = self._lent.pop(id(view))
-                    self._requested -= _nbytes(view)
-                    self._in_use -= block.size
-                    self._count_freed(block.size)
+                    self._count_freed(self._take_back(view).size)
         self._retained.clear()
 
     def stats(self) -> dict[str, int]:
@@ -189,8 +184,7 @@ class HostBufferPool:
             block = self._free[size].pop()
         else:
             size = size_class(nbytes)
-            if not self.retain:
-                self._evict_for(size)
+            self._evict_for(size)  # (in retain mode nothing is free to evict)
             block = _Block(self._backend.empty_host_bytes(size))
             self._reserved += size
             self._num_alloc += 1
@@ -204,6 +198,13 @@ class HostBufferPool:
             largest = self._free_sizes.pop()
             self._free[largest].pop()
             self._count_freed(largest)
+
+    def _take_back(self, view: torch.Tensor) -> _Block:
+        """The block behind a lent view, no longer counted as in use."""
+        block = self._lent.pop(id(view))
+        self._requested -= _nbytes(view)
+        self._in_use -= block.size
+        return block
 
     def _count_freed(self, size: int) -> None:
         self._reserved -= size

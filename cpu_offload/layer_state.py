@@ -203,6 +203,7 @@ class OffloadableLayerState:
         self._modified: dict[int, int] = {}  # pushed position -> version seen at copy
         self._unique = TensorGroup()  # after group processing, being copied
         self._host: list[torch.Tensor] = []
+        self._host_bytes = 0  # bytes of the host copies
         self._reloaded = TensorGroup()
         self._in_flight: list[Any] = []  # events of copies nobody has waited for
         self._push_stream: Any = None  # current stream at the first push
@@ -354,7 +355,7 @@ class OffloadableLayerState:
         timer = self.copy_timer
         start = timer.start(stream) if timer is not None else None
         backend.copy_many(self._host, self._unique.tensor_list, stream, self.name)
-        nbytes = sum(host.numel() * host.element_size() for host in self._host)
+        nbytes = self._host_bytes = sum(h.numel() * h.element_size() for h in self._host)
         self.stats.tensors_offloaded += len(self._host)
         self.stats.bytes_offloaded += nbytes
         if timer is not None:
@@ -395,7 +396,7 @@ class OffloadableLayerState:
         timer = self.copy_timer
         start = timer.start(stream) if timer is not None else None
         backend.copy_many(targets, self._host, stream, self.name)
-        nbytes = sum(host.numel() * host.element_size() for host in self._host)
+        nbytes = self._host_bytes
         self.stats.tensors_reloaded += len(targets)
         self.stats.bytes_reloaded += nbytes
         if timer is not None:
@@ -471,7 +472,7 @@ class OffloadableLayerState:
         """MiB of this layer's data that sits in host memory now."""
         if self.state is LayerState.NOT_OFFLOADED:
             return 0.0
-        return sum(t.numel() * t.element_size() for t in self._host) / 2**20
+        return self._host_bytes / 2**20
 
 
 def unpack_saved(handle: Any) -> Any:

@@ -81,8 +81,8 @@ class _Measurement:
     def start(self) -> None:
         """Called after warmup: counters start from here."""
         synchronizer = self.mode.synchronizer
+        self.allocations = _allocations(self.mode)
         if synchronizer is not None:
-            self.allocations = synchronizer.host_buffers.allocations
             self.offloaded = synchronizer.stats.bytes_offloaded
         if self.mode.copy_timer is not None:
             self.mode.copy_timer.reset()
