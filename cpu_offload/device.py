@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import platform
 import sys
 import time
 import warnings
@@ -22,11 +23,14 @@ from typing import Any
 
 import torch
 
+from .selection import is_dense
+
 __all__ = [
     "DeviceBackend",
     "HostBackend",
     "StreamBackend",
     "available_device_type",
+    "device_name",
     "distributed_setup",
     "get_backend",
     "override_host_backend",
@@ -38,6 +42,8 @@ _STREAM_DEVICE_TYPES = ("cuda", "npu", "xpu")
 # Whether the runtime's sync debug mode warns through Python's warnings (torch_npu
 # logs them in C++ only).
 _SYNC_WARNINGS_IN_PYTHON = {"cuda": True, "npu": False, "xpu": True}
+# Runtimes whose host<->device copies stay asynchronous only between contiguous tensors.
+_CONTIGUOUS_COPIES_ONLY = {"npu"}
 
 
 class DeviceBackend:
@@ -210,17 +216,50 @@ class HostBackend(DeviceBackend):
 
 
 class StreamBackend(DeviceBackend):
-    """An accelerator with a CUDA-style runtime module (``torch.cuda``, ``torch.npu``, ...)."""
+    """An accelerator with a CUDA-style runtime module (``torch.cuda``, ``torch.npu``, ...).
 
-    pin_memory = True
+    Args:
+        device: the device whose tensors are offloaded.  Without an index the
+            backend binds, when first used, to the runtime's current device then:
+            a context built before ``set_device(local_rank)`` offloads on the local
+            device, not on device 0.
+        runtime: the runtime module, ``torch.cuda`` or ``torch.npu`` (or the
+            simulated one of :mod:`cpu_offload.testing`).
+        runtime_type: which runtime's behaviour to expect (``"cuda"``, ``"npu"``,
+            ``"xpu"``); the device's type by default.
+        pin_memory: page-lock host buffers.
+    """
 
-    def __init__(self, device: torch.device, runtime: Any) -> None:
-        if device.index is None:
-            device = torch.device(device.type, runtime.current_device())
-        self.device = device
+    def __init__(
+        self,
+        device: torch.device,
+        runtime: Any,
+        *,
+        runtime_type: str | None = None,
+        pin_memory: bool = True,
+    ) -> None:
+        self._requested = device
+        self._device: torch.device | None = device if device.index is not None else None
         self._runtime = runtime
+        self.runtime_type = runtime_type or device.type
+        self.pin_memory = pin_memory
+        # torch_npu keeps a host<->device copy asynchronous only when both sides are
+        # contiguous; otherwise it stages through pageable memory and synchronises.
+        self._contiguous_copies_only = self.runtime_type in _CONTIGUOUS_COPIES_ONLY
         # CUDA's raw current stream (an int) costs less than a Stream object.
         self._raw_stream = getattr(torch._C, f"_{device.type}_getCurrentRawStream", None)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        device = self._device
+        if device is None:
+            index = self._runtime.current_device() if self._requested.type != "cpu" else None
+            device = self._device = torch.device(self._requested.type, index)
+        return device
+
+    @property
+    def device_type(self) -> str:
+        return self._requested.type
 
     def new_stream(self) -> Any:
         return self._runtime.Stream(device=self.device)
@@ -232,14 +271,20 @@ class StreamBackend(DeviceBackend):
         return self._runtime.Event()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
+        if self._contiguous_copies_only:
+            dst, src = _as_contiguous_pair(dst, src)
         with self._runtime.stream(stream):
             dst.copy_(src, non_blocking=True)
 
     def copy_many(
         self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, label: str = ""
     ) -> None:
+        if self._contiguous_copies_only:
+            pairs = [_as_contiguous_pair(dst, src) for dst, src in zip(dsts, srcs)]
+        else:
+            pairs = list(zip(dsts, srcs))
         with self._runtime.stream(stream):
-            for dst, src in zip(dsts, srcs):
+            for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
     def current_stream_key(self) -> Any:
@@ -265,7 +310,11 @@ class StreamBackend(DeviceBackend):
         """
         set_mode = getattr(self._runtime, "set_sync_debug_mode", None)
         get_mode = getattr(self._runtime, "get_sync_debug_mode", None)
-        if set_mode is None or get_mode is None or not _SYNC_WARNINGS_IN_PYTHON[self.device_type]:
+        if (
+            set_mode is None
+            or get_mode is None
+            or not _SYNC_WARNINGS_IN_PYTHON.get(self.runtime_type, False)
+        ):
             yield None
             return
         previous = get_mode()
@@ -287,6 +336,25 @@ class StreamBackend(DeviceBackend):
 
     def reset_peak_memory_stats(self) -> None:
         self._runtime.reset_peak_memory_stats(self.device)
+
+
+def _as_contiguous_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dst`` and ``src`` as contiguous 1-D views of the same memory, where they can be.
+
+    Two dense tensors with the same strides (a permuted tensor and its host copy)
+    lay out their elements identically, so copying the memory blocks they fill
+    copies each element to its place; nothing is allocated and no compute runs.
+    Other pairs are returned as they are.
+    """
+    if src.is_contiguous() and dst.is_contiguous():
+        return dst, src
+    if dst.stride() != src.stride() or dst.shape != src.shape or not is_dense(src):
+        return dst, src
+    numel = src.numel()
+    return (
+        dst.as_strided((numel,), (1,), dst.storage_offset()),
+        src.as_strided((numel,), (1,), src.storage_offset()),
+    )
 
 
 _host_backend_factory: contextvars.ContextVar[Callable[[], DeviceBackend] | None] = (
@@ -372,6 +440,13 @@ def distributed_setup(local_rank: int) -> tuple[str, torch.device]:
     device = torch.device(device_type, local_rank)
     _runtime_module(device_type).set_device(device)
     return _COLLECTIVES[device_type], device
+
+
+def device_name(device: torch.device) -> str:
+    """The product name of ``device`` (the processor for the CPU)."""
+    if device.type == "cpu":
+        return platform.processor() or platform.machine()
+    return str(_runtime_module(device.type).get_device_name(device))
 
 
 def supports_fp8_matmul(device: torch.device | str) -> bool:

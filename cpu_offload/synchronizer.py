@@ -60,15 +60,21 @@ class OffloadSynchronizer:
             )
         self.num_layers = num_layers
         self.backend: DeviceBackend = get_backend(device)
-        self.offload_stream = (
-            offload_stream if offload_stream is not None else self.backend.new_stream()
-        )
+        self._offload_stream = offload_stream  # created at first use (see below)
         self.host_buffers = HostBufferPool(self.backend, retain_pinned_cpu_buffers)
         self.min_offload_numel = min_offload_numel
         self.stats = OffloadStats()
         self.copy_timer: CopyTimer | None = None  # set by benchmarks to time copies
         self._current: ForwardPass | None = None  # forward in progress (held strongly)
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
+
+    @property
+    def offload_stream(self) -> Any:
+        """The stream of all copies; created when first needed, so that it lives on
+        the device that is current then (after ``set_device(local_rank)``)."""
+        if self._offload_stream is None:
+            self._offload_stream = self.backend.new_stream()
+        return self._offload_stream
 
     # ------------------------------------------------------------ passes
 

@@ -8,27 +8,38 @@ import pytest
 import torch
 
 from cpu_offload.device import available_device_type
-from cpu_offload.testing import SimulatedBackend, strict_streams
+from cpu_offload.testing import SimulatedBackend, strict_runtime, strict_streams
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    has_gpu = available_device_type() == "cuda"
-    has_npu = available_device_type() == "npu"
+    device_type = available_device_type()
+    has_npu = device_type == "npu"
     for item in items:
-        if "gpu" in item.keywords and not has_gpu:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "gpu" in item.keywords and device_type == "cpu":
+            item.add_marker(pytest.mark.skip(reason="needs an accelerator (CUDA GPU, Ascend NPU)"))
         if "npu" in item.keywords and not has_npu:
             item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu"))
 
 
-@pytest.fixture(params=["host", "strict"], ids=["host", "strict"])
+@pytest.fixture(params=["host", "strict", "cuda-runtime", "npu-runtime"])
 def streams(request: pytest.FixtureRequest):
-    """``None`` on the plain host path; the simulator under ``strict_streams()``."""
+    """How the offloader under test runs, and the simulator it runs on (if any).
+
+    ``host``: the plain host path (``None``).  ``strict``: the simulated backend of
+    ``strict_streams()``.  ``cuda-runtime``, ``npu-runtime``: ``StreamBackend``, the
+    accelerator backend, on the simulated runtime of ``strict_runtime()`` in that
+    flavour.  The last three yield the simulator.
+    """
     if request.param == "host":
         yield None
         return
-    with strict_streams() as sim:
-        yield sim
+    if request.param == "strict":
+        with strict_streams() as sim:
+            yield sim
+    else:
+        with strict_runtime(request.param.split("-")[0]) as runtime:
+            sim = runtime.sim
+            yield sim
     assert sim.counters.hazards == 0
 
 

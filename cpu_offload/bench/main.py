@@ -8,11 +8,10 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from ..device import get_backend
+from ..device import device_name, get_backend
 from ..llama import LlamaConfig, LlamaLayer
 from .config import DTYPES, BenchConfig, parse_args
 from .hooks import measure_hook_costs, print_hook_costs
@@ -42,7 +41,7 @@ def run_benchmark(config: BenchConfig) -> tuple[list[ModeResult], dict[str, floa
     ]
     environment = {
         "device": str(backend.device),
-        "device_name": _device_name(backend.device),
+        "device_name": device_name(backend.device),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -66,13 +65,6 @@ def run_benchmark(config: BenchConfig) -> tuple[list[ModeResult], dict[str, floa
     ceiling = measure_ceiling(backend, ceiling_mib * 2**20)
     _derive(results, config.layers)
     return results, ceiling, environment
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cpu":
-        return platform.processor() or platform.machine()
-    runtime: Any = getattr(torch, device.type)
-    return str(runtime.get_device_name(device))
 
 
 def _derive(results: list[ModeResult], layers: int) -> None:
@@ -123,7 +115,7 @@ def _main_hooks(config: BenchConfig) -> int:
         backend, config.layers, config.hidden, config.batch, config.steps, config.warmup
     )
     print(
-        f"\n{backend.device} ({_device_name(backend.device)}), torch {torch.__version__}, "
+        f"\n{backend.device} ({device_name(backend.device)}), torch {torch.__version__}, "
         f"preset hooks: {config.layers} layers of Linear+GELU+LayerNorm, width "
         f"{config.hidden}, batch {config.batch}, {config.steps} interleaved rounds"
     )

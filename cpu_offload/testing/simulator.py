@@ -88,16 +88,42 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
+class _End:
+    """One end of a queued copy, held as an accelerator holds a pointer: weakly.
+
+    A view is held through its base, which owns the memory: a temporary view (a
+    flattened copy argument, say) may go while its memory stays valid.
+    """
+
+    __slots__ = ("owner", "view", "version", "key")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        owner = tensor._base
+        if type(owner) is not torch.Tensor or owner.layout is not torch.strided:
+            owner = tensor  # no view, or a view of a subclass (the values of a nested tensor)
+        self.owner = weakref.ref(owner)
+        self.view = None
+        if owner is not tensor:
+            self.view = (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset())
+        self.version = tensor._version  # views share their base's counter
+        self.key = _storage_key(tensor)
+
+    def get(self) -> torch.Tensor | None:
+        owner = self.owner()
+        if owner is None or self.view is None:
+            return owner
+        dtype, shape, stride, offset = self.view
+        tensor = torch.empty(0, dtype=dtype, device=owner.device)
+        return tensor.set_(owner.untyped_storage(), offset, shape, stride)
+
+
 class _Copy:
-    """A queued copy; holds both ends weakly, like an accelerator holding pointers."""
+    """A queued copy between two weakly held ends."""
 
     def __init__(self, sim: SimulatedBackend, dst: torch.Tensor, src: torch.Tensor, label: str):
         self.sim = sim
-        self.src = weakref.ref(src)
-        self.dst = weakref.ref(dst)
-        self.src_version = src._version
-        self.src_key = _storage_key(src)
-        self.dst_key = _storage_key(dst)
+        self.src, self.dst = _End(src), _End(dst)
+        self.src_key, self.dst_key = self.src.key, self.dst.key
         self.shape, self.dtype, self.label = tuple(src.shape), src.dtype, label
         self.done = False
 
@@ -106,9 +132,10 @@ class _Copy:
 
     def run(self) -> None:
         sim = self.sim
-        src, dst = self.src(), self.dst()
         sim.forget_pending(self)
         self.done = True
+        with sim.suspended():
+            src, dst = self.src.get(), self.dst.get()
         if src is None:
             sim.hazard(
                 f"the source of a queued copy, {self.describe()}, was freed before the copy "
@@ -119,7 +146,7 @@ class _Copy:
                 f"the destination of a queued copy, {self.describe()}, was freed before the "
                 "copy ran: a tensor was dropped while a copy into it was in flight."
             )
-        if src._version != self.src_version:
+        if self.src.owner()._version != self.src.version:  # type: ignore[union-attr]
             sim.hazard(
                 f"the source of a queued copy, {self.describe()}, was modified in place "
                 "before the copy ran."
@@ -211,6 +238,8 @@ class _ComputeWatch(TorchDispatchMode):
         sim = self.sim
         if sim.suspend_depth or getattr(func, "is_view", False):
             return func(*args, **kwargs)  # views touch metadata, not data
+        if sim.current is not sim.compute:
+            return sim.run_on_side_stream(func, args, kwargs)
         flat_args, _ = tree_flatten((args, kwargs))
         written_args = _mutated_args(func, args, kwargs)
         for tensor in flat_args:
@@ -254,6 +283,11 @@ class SimulatedBackend(DeviceBackend):
         self.pending_reads: Counter[int] = Counter()
         self.pending_writes: Counter[int] = Counter()
         self.suspend_depth = 0
+        #: the stream ops run on; only a simulated runtime's ``stream(s)`` changes it
+        self.current: SimulatedStream = self.compute
+        #: whether a side-stream copy between non-contiguous tensors is a hazard
+        #: (torch_npu synchronises such copies)
+        self.contiguous_copies_only = False
 
     # ------------------------------------------------------------ helpers
 
@@ -292,6 +326,17 @@ class SimulatedBackend(DeviceBackend):
                 "the copy would see the new values."
             )
 
+    def run_on_side_stream(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """An op issued while a side stream is current: copies are queued there."""
+        if func is not torch.ops.aten.copy_.default:
+            raise StreamHazardError(
+                f"strict_streams: {func} was issued on {self.current.name}; the simulator "
+                "runs only copies on side streams (run other work on the compute stream)."
+            )
+        dst, src = args[0], args[1]
+        self.copy(dst, src, self.current)
+        return dst
+
     # ------------------------------------------------------ DeviceBackend
 
     def new_stream(self) -> SimulatedStream:
@@ -329,6 +374,12 @@ class SimulatedBackend(DeviceBackend):
             with self.suspended():
                 dst.copy_(src)
             return
+        if self.contiguous_copies_only and not (src.is_contiguous() and dst.is_contiguous()):
+            self.hazard(
+                f"a copy of {_describe(src, label)} with strides {src.stride()} into strides "
+                f"{dst.stride()} was issued on {stream.name}: torch_npu copies between "
+                "non-contiguous tensors through pageable memory and synchronises the host."
+            )
         src_key, dst_key = _storage_key(src), _storage_key(dst)
         if src_key is not None and self.last_write.get(src_key, 0) > stream.waited_compute_seq:
             self.hazard(

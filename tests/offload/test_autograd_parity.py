@@ -2,7 +2,8 @@
 
 Each row of ``PROGRAMS`` is a small program over ``L`` layers run three times per
 parameter set: without offload (the baseline), then with offload (k = 1 and
-k = L - 1, on the host path and under ``strict_streams()``).  Gradients must be
+k = L - 1, on the host path, under ``strict_streams()``, and through ``StreamBackend``
+on the simulated CUDA and NPU runtimes of ``strict_runtime()``).  Gradients must be
 ``torch.equal``; where the baseline raises, the offloaded run raises the same
 exception class (and, for autograd's in-place check, autograd's words).
 """
@@ -318,6 +319,18 @@ def varying_lengths_and_dropped_forwards(off: Offload) -> list[torch.Tensor]:
     return [*grads, w.grad]
 
 
+def permuted_saved_tensors(off: Offload) -> list[torch.Tensor]:
+    """Dense saved tensors with permuted strides, views and not (NPU copies them flat)."""
+    x = leaf(8, 6)
+    fns = [
+        lambda h: (h.t() * 2).sin(),
+        lambda h: h.reshape(2, 3, 8).permute(2, 0, 1).exp(),
+        torch.tanh,
+    ]
+    chain(fns, x, *off.context()).sum().backward()
+    return [x.grad]
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -355,6 +368,7 @@ PROGRAMS = {
     "one module at every position": Row(shared_module),
     "compiled autograd": Row(compiled_autograd),
     "varying lengths, dropped forwards": Row(varying_lengths_and_dropped_forwards),
+    "permuted saved tensors": Row(permuted_saved_tensors),
 }
 
 

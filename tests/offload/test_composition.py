@@ -8,6 +8,7 @@ from helpers import assert_bit_identical, forward, make_input, make_layers
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import get_cpu_offload_context
+from cpu_offload.device import available_device_type
 
 L, K = 4, 2
 
@@ -47,8 +48,9 @@ def test_compiled_layers_aot_eager():
 
 
 @pytest.mark.gpu
-def test_compiled_layers_inductor_on_gpu():
-    layers = make_layers("mlp", L, 32, torch.float32).cuda()
+def test_compiled_layers_inductor_on_the_accelerator():
+    device = available_device_type()
+    layers = make_layers("mlp", L, 32, torch.float32).to(device)
     fns = [torch.compile(layer, backend="inductor") for layer in layers]
-    stats = check(fns, layers, device="cuda")
+    stats = check(fns, layers, device=device)
     assert stats.tensors_offloaded > 0

@@ -18,7 +18,7 @@ from cpu_offload import (
     mark_not_offload,
 )
 
-pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
 
 def test_public_names():

@@ -1,4 +1,4 @@
-"""StreamBackend's calls into a runtime module, on a recording stand-in for torch.cuda/npu."""
+"""StreamBackend's calls into a runtime module: a recording stand-in, the simulated runtime."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import warnings
 import pytest
 import torch
 
+from cpu_offload import DefaultOffloadSynchronizer
 from cpu_offload import device as device_module
 from cpu_offload.device import StreamBackend, distributed_setup
+from cpu_offload.testing import StreamHazardError, strict_runtime
 
 
 class RecordingRuntime:
@@ -19,8 +21,18 @@ class RecordingRuntime:
         self.modes_set: list[object] = []
         self.devices_set: list[torch.device] = []
 
+        self.current = 0
+        self.streams_on: list[torch.device] = []
+
     def current_device(self) -> int:
-        return 0
+        return self.current
+
+    def is_available(self) -> bool:
+        return True
+
+    def Stream(self, device: torch.device) -> object:  # noqa: N802
+        self.streams_on.append(device)
+        return object()
 
     def get_sync_debug_mode(self) -> int:
         return self.mode
@@ -47,15 +59,10 @@ def test_host_syncs_are_counted_and_the_callers_mode_restored():
     assert runtime.modes_set == ["warn", 2] and runtime.mode == 2
 
 
-class NpuFlavouredBackend(StreamBackend):
-    """``torch.device("npu")`` exists only once torch_npu is imported: keep the type here."""
-
-    device_type = "npu"  # type: ignore[assignment]
-
-
 def test_host_syncs_are_not_measurable_on_npu():
     runtime = RecordingRuntime()
-    backend = NpuFlavouredBackend(torch.device("cuda", 0), runtime)
+    # torch.device("npu") exists only once torch_npu is imported: name the runtime.
+    backend = StreamBackend(torch.device("cuda", 0), runtime, runtime_type="npu")
     with backend.count_host_syncs() as syncs:
         runtime.synchronize()
     assert syncs is None and runtime.modes_set == []  # torch_npu logs them in C++ only
@@ -75,3 +82,46 @@ def test_distributed_setup_picks_the_collectives_and_the_local_device(
     monkeypatch.setattr(device_module, "_runtime_module", lambda name: runtime)
     assert distributed_setup(1) == (collective, torch.device(device_type, 1))
     assert runtime.devices_set == [torch.device(device_type, 1)]
+
+
+def test_a_backend_built_before_set_device_follows_the_current_device(monkeypatch):
+    """A context built before ``set_device(local_rank)`` offloads on the local device."""
+    runtime = RecordingRuntime()
+    monkeypatch.setattr(device_module, "_runtime_module", lambda name: runtime)
+    synchronizer = DefaultOffloadSynchronizer(4, 2, device="cuda")  # device 0 is current
+    runtime.current = 1  # torch.cuda.set_device(1)
+    synchronizer.offload_stream  # noqa: B018 - created at first use
+    assert synchronizer.backend.device == torch.device("cuda", 1)
+    assert runtime.streams_on == [torch.device("cuda", 1)]
+    runtime.current = 0  # bound once: a later device change does not move it
+    assert synchronizer.backend.device == torch.device("cuda", 1)
+
+
+def test_an_indexed_device_is_kept():
+    runtime = RecordingRuntime()
+    runtime.current = 1
+    assert StreamBackend(torch.device("cuda", 0), runtime).device == torch.device("cuda", 0)
+
+
+def test_npu_copies_permuted_tensors_as_contiguous_blocks():
+    """torch_npu synchronises non-contiguous host<->device copies: copy the dense blocks."""
+    src = torch.randn(6, 4, 5).permute(2, 0, 1)
+    with strict_runtime("npu") as runtime:
+        stream = runtime.Stream()
+        dst = torch.empty_strided(src.shape, src.stride())
+        runtime.backend().copy(dst, src, stream)  # the flat copy: no hazard
+        runtime.synchronize()
+        assert torch.equal(dst, src) and dst.stride() == src.stride()
+        cuda_like = StreamBackend(torch.device("cpu"), runtime, pin_memory=False)
+        with pytest.raises(StreamHazardError, match="non-contiguous tensors through pageable"):
+            cuda_like.copy(torch.empty_strided(src.shape, src.stride()), src, stream)
+
+
+@pytest.mark.parametrize(
+    "src",
+    [torch.randn(6, 4)[:, :2], torch.randn(6, 4).t()],
+    ids=["with gaps", "other strides"],
+)
+def test_pairs_that_cannot_be_copied_flat_are_left_alone(src):
+    dst = torch.empty(src.shape)  # contiguous: the strides differ from src's
+    assert device_module._as_contiguous_pair(dst, src) == (dst, src)

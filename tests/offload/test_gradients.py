@@ -6,7 +6,9 @@ import pytest
 import torch
 from helpers import assert_bit_identical, gradients, make_layers
 
-pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+from cpu_offload.device import StreamBackend, get_backend
+
+pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
@@ -21,7 +23,8 @@ def test_gradients_bit_identical(streams, kind, dtype, offloaded):
     assert_bit_identical(expected, actual)
     if streams is not None:
         assert streams.counters.copies_run > 0
-        assert streams.counters.handoffs > 0
+        # StreamBackend, as on a device, reports no handoffs: compute checks them.
+        assert streams.counters.handoffs > 0 or isinstance(get_backend(), StreamBackend)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])

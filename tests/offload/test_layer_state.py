@@ -10,7 +10,7 @@ from cpu_offload.device import get_backend
 from cpu_offload.host_buffers import HostBufferPool
 from cpu_offload.layer_state import unpack_saved
 
-pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
 S = LayerState
 

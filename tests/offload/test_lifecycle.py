@@ -11,7 +11,7 @@ from helpers import assert_bit_identical, forward, make_input, make_layers
 
 from cpu_offload import CpuOffloadError, LayerState, get_cpu_offload_context
 
-pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
 WIDTH = 32
 

@@ -7,7 +7,7 @@ import torch
 
 from cpu_offload import OffloadableLayerState, get_cpu_offload_context
 
-pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
 TRANSITIONS = [
     "start_offload",

@@ -15,7 +15,7 @@ from cpu_offload import (
 from cpu_offload.device import get_backend
 from cpu_offload.host_buffers import HostBufferPool
 
-pytestmark = pytest.mark.usefixtures("streams")  # host path and strict_streams()
+pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
 
 def offload_and_reload(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:

@@ -1,4 +1,4 @@
-"""The quantized offload tests on a CUDA GPU, and the FP8 matmul path (marker ``gpu``)."""
+"""The quantized offload tests on the accelerator, and CUDA's FP8 matmul path (marker ``gpu``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import torch
 from helpers import forward
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.device import supports_fp8_matmul
+from cpu_offload.device import available_device_type, supports_fp8_matmul
 from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 
 pytestmark = pytest.mark.gpu
+DEVICE = available_device_type()
 
 
 def tanh_after(layers):
@@ -32,8 +33,8 @@ def test_gradients_bit_identical_on_gpu(make):
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(
         QuantizedLinear(1024, 1024, quantizer=make()) for _ in range(4)
-    ).to("cuda", torch.bfloat16)
-    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2048, 1024, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     expected, _ = run(layers, x, None)
     actual, ctx = run(layers, x, 2)
     assert all(torch.equal(a, b) for a, b in zip(expected, actual))
@@ -41,13 +42,13 @@ def test_gradients_bit_identical_on_gpu(make):
 
 
 def test_scaled_mm_is_used_where_supported(monkeypatch):
-    if not supports_fp8_matmul("cuda"):
-        pytest.skip("this GPU has no FP8 matmul (needs compute capability 8.9+)")
+    if not supports_fp8_matmul(DEVICE):
+        pytest.skip(f"{DEVICE} has no torch._scaled_mm FP8 matmul (needs CUDA 8.9+)")
     calls = []
     original = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or original(*a, **k))
-    layer = QuantizedLinear(256, 256, quantizer=Float8Quantizer()).to("cuda", torch.bfloat16)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    layer = QuantizedLinear(256, 256, quantizer=Float8Quantizer()).to(DEVICE, torch.bfloat16)
+    x = torch.randn(64, 256, device=DEVICE, dtype=torch.bfloat16)
     out = layer(x)
     assert calls and out.shape == (64, 256)
     reference = torch.nn.functional.linear(x, layer.weight, layer.bias)
