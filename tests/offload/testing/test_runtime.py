@@ -7,6 +7,7 @@ import torch
 from helpers import forward, make_input, make_layers
 
 from cpu_offload import OffloadableLayerState, get_cpu_offload_context
+from cpu_offload.copy_timer import CopyTimer
 from cpu_offload.device import StreamBackend, get_backend
 from cpu_offload.testing import SimulatedRuntime, StreamHazardError, strict_runtime
 
@@ -92,3 +93,20 @@ def test_timing_events_measure_elapsed_time():
 def test_unknown_flavour():
     with pytest.raises(ValueError, match="flavour must be one of \\('cuda', 'npu'\\), got 'xla'"):
         SimulatedRuntime("xla")
+
+
+def test_copy_timing_and_memory_statistics_through_the_stream_backend():
+    with strict_runtime("cuda") as runtime:
+        backend = runtime.backend()
+        ctx, sync_fn = get_cpu_offload_context(True, 1, 3, min_offload_numel=0)
+        timer = ctx.offload_synchronizer.copy_timer = CopyTimer(backend)
+        layers = make_layers("mlp", 3, 32, torch.float32)
+        x = make_input("mlp", 32, torch.float32, 0).requires_grad_()
+        backend.reset_peak_memory_stats()
+        forward(layers, x, ctx, sync_fn).sum().backward()
+        backend.synchronize()
+        assert timer.totals("d2h")[0] == timer.totals("h2d")[0] > 0
+        assert timer.bandwidth("d2h") is not None
+        assert backend.device_type == "cpu" and backend.runtime_type == "cuda"
+        # The simulator keeps no allocator statistics: zeros, not None.
+        assert (backend.memory_allocated(), backend.max_memory_allocated()) == (0, 0)
