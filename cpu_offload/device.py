@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .selection import is_dense
+from .tensor_group import is_dense
 
 __all__ = [
     "DeviceBackend",

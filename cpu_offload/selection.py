@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from .marks import is_marked_not_offload, marks_of
-from .tensor_group import offloads_through_base
+from .tensor_group import AUTO_BASE_MAX_RATIO, is_dense, offloads_through_base
 
 __all__ = [
     "DEFAULT_MIN_OFFLOAD_NUMEL",
@@ -69,25 +69,6 @@ def _saved_by_compiled_graph() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether the elements of ``tensor`` fill a block of memory exactly once.
-
-    Contiguous tensors and permutations of them (a transposed SDPA output, say)
-    are dense; such a tensor is copied with its own strides, exactly.
-    """
-    if tensor.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(
-        ((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s != 1),
-        key=lambda pair: pair[1],
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _is_cast_of_parameter(tensor: torch.Tensor) -> bool:
@@ -155,10 +136,17 @@ def _warn_not_dense(tensor: torch.Tensor) -> None:
             "Call start_offload(t, offload_base_tensor=True) on it, or make it contiguous "
             "before it is saved, to offload it."
         )
+    base = tensor._base
+    if base is not None and base.numel() > AUTO_BASE_MAX_RATIO * tensor.numel():
+        why = (
+            f"its base is {base.numel() / tensor.numel():.0f}x larger, and views are moved "
+            f"through their base unasked only up to {AUTO_BASE_MAX_RATIO}x"
+        )
+    else:
+        why = "it is not a view that can be offloaded through its base"
     warn_once_per_call_site(
         f"cpu_offload: a non-contiguous saved tensor (first seen: shape "
-        f"{tuple(tensor.shape)}, stride {tensor.stride()}) is not a view that can be "
-        f"offloaded through its base; it stays on the device. {advice} This warning is "
-        "shown once per call site.",
+        f"{tuple(tensor.shape)}, stride {tensor.stride()}) stays on the device: {why}. "
+        f"{advice} This warning is shown once per call site.",
         reason="not dense",
     )

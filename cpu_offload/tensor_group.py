@@ -15,9 +15,21 @@ import torch
 
 from .marks import TensorMarks, marks_of
 
-__all__ = ["GroupLayout", "TensorGroup", "TensorGroupProcessor", "offloads_through_base"]
+__all__ = [
+    "AUTO_BASE_MAX_RATIO",
+    "GroupLayout",
+    "TensorGroup",
+    "TensorGroupProcessor",
+    "is_dense",
+    "offloads_through_base",
+]
 
 ViewSpec = tuple[torch.Size, tuple[int, ...], int]
+
+#: a view that cannot be copied by itself moves through its base, unasked, when the
+#: base has at most this many times its elements; a larger base would cost more link
+#: bandwidth and host memory than the view is worth (mark it to move it anyway).
+AUTO_BASE_MAX_RATIO = 4
 
 
 @dataclass
@@ -60,13 +72,35 @@ class GroupLayout:
     source_index: list[int]
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements of ``tensor`` fill a block of memory exactly once.
+
+    Contiguous tensors and permutations of them (a transposed SDPA output, say)
+    are dense; such a tensor is copied with its own strides, exactly.
+    """
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s != 1),
+        key=lambda pair: pair[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def offloads_through_base(tensor: torch.Tensor, marks: TensorMarks | None = None) -> bool:
     """Whether ``tensor`` is a view that is copied through its base.
 
-    True when the user marked it with ``start_offload(..., offload_base_tensor=True)``
-    or when the base has exactly as many elements (a pure re-stride), and the view
-    reads the base's bits as they are: same dtype (not ``z.real`` of a complex ``z``),
-    no conjugate or negative bit of its own.
+    True when the view reads the base's bits as they are (same dtype, not ``z.real``
+    of a complex ``z``; no conjugate or negative bit of its own) and either the user
+    marked it with ``start_offload(..., offload_base_tensor=True)``, or the base has
+    exactly as many elements (a pure re-stride), or the view cannot be copied by itself
+    (it is not dense) and its base is at most :data:`AUTO_BASE_MAX_RATIO` times larger:
+    q, k and v of one fused qkv output, the two halves of a SwiGLU input.  A base is
+    copied once for all its views in a layer.
     """
     base = tensor._base
     if base is None or base.dtype != tensor.dtype or base.layout is not torch.strided:
@@ -77,7 +111,10 @@ def offloads_through_base(tensor: torch.Tensor, marks: TensorMarks | None = None
         marks = marks_of(tensor)
     if marks is not None and marks.offload_base:
         return True
-    return base.numel() == tensor.numel()
+    numel = tensor.numel()
+    if base.numel() == numel:
+        return True
+    return base.numel() <= AUTO_BASE_MAX_RATIO * numel and not is_dense(tensor)
 
 
 class TensorGroupProcessor:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -91,30 +92,48 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 class _End:
     """One end of a queued copy, held as an accelerator holds a pointer: weakly.
 
-    A view is held through its base, which owns the memory: a temporary view (a
-    flattened copy argument, say) may go while its memory stays valid.
+    A plain tensor is held through a weak reference to its *storage*: the memory is
+    what must stay valid, and a temporary view of it (a flattened copy argument) may
+    go.  The storage's weak pointer also outlives the clearing of Python weak
+    references in a garbage-collection cycle, as device memory outlives it on a GPU
+    (the layer state's finalizer issues its wait before the tensors are freed).
+    Other tensors (subclasses, storages of fake tensors) are held by weak reference.
     """
 
-    __slots__ = ("owner", "view", "version", "key")
+    __slots__ = ("tensor", "storage", "geometry", "version_of", "version", "key")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        owner = tensor._base
-        if type(owner) is not torch.Tensor or owner.layout is not torch.strided:
-            owner = tensor  # no view, or a view of a subclass (the values of a nested tensor)
-        self.owner = weakref.ref(owner)
-        self.view = None
-        if owner is not tensor:
-            self.view = (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset())
-        self.version = tensor._version  # views share their base's counter
         self.key = _storage_key(tensor)
+        self.version = tensor._version  # views share their base's counter
+        base = tensor._base
+        plain_base = type(base) is torch.Tensor and base.layout is torch.strided
+        self.version_of = weakref.ref(base if plain_base else tensor)
+        self.tensor: weakref.ref[torch.Tensor] | None = None
+        self.storage: StorageWeakRef | None = None
+        if self.key is not None and type(tensor) is torch.Tensor:
+            self.storage = StorageWeakRef(tensor.untyped_storage())
+            self.geometry = (
+                tensor.dtype,
+                tensor.device,
+                tensor.shape,
+                tensor.stride(),
+                tensor.storage_offset(),
+            )
+        else:
+            self.tensor = weakref.ref(tensor)
 
     def get(self) -> torch.Tensor | None:
-        owner = self.owner()
-        if owner is None or self.view is None:
-            return owner
-        dtype, shape, stride, offset = self.view
-        tensor = torch.empty(0, dtype=dtype, device=owner.device)
-        return tensor.set_(owner.untyped_storage(), offset, shape, stride)
+        if self.tensor is not None:
+            return self.tensor()
+        if self.storage is None or self.storage.expired():
+            return None
+        storage = torch.UntypedStorage._new_with_weak_ptr(self.storage.cdata)
+        dtype, device, shape, stride, offset = self.geometry
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+
+    def modified(self) -> bool:
+        holder = self.version_of()
+        return holder is not None and holder._version != self.version
 
 
 class _Copy:
@@ -146,7 +165,7 @@ class _Copy:
                 f"the destination of a queued copy, {self.describe()}, was freed before the "
                 "copy ran: a tensor was dropped while a copy into it was in flight."
             )
-        if self.src.owner()._version != self.src.version:  # type: ignore[union-attr]
+        if self.src.modified():
             sim.hazard(
                 f"the source of a queued copy, {self.describe()}, was modified in place "
                 "before the copy ran."

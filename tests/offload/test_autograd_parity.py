@@ -331,6 +331,22 @@ def permuted_saved_tensors(off: Offload) -> list[torch.Tensor]:
     return [x.grad]
 
 
+def views_through_their_base(off: Offload) -> list[torch.Tensor]:
+    """q, k, v of one fused output and SwiGLU halves: views moved through their base."""
+    x, w3, w2 = leaf(8, 6), leaf(6, 18), leaf(6, 12)
+
+    def attention_like(h: torch.Tensor) -> torch.Tensor:
+        q, k, v = (h @ w3).chunk(3, dim=-1)
+        return (q * k).sin() * v
+
+    def swiglu(h: torch.Tensor) -> torch.Tensor:
+        gate, up = (h @ w2).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    chain([attention_like, swiglu, torch.tanh], x, *off.context()).sum().backward()
+    return [x.grad, w3.grad, w2.grad]
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -369,6 +385,7 @@ PROGRAMS = {
     "compiled autograd": Row(compiled_autograd),
     "varying lengths, dropped forwards": Row(varying_lengths_and_dropped_forwards),
     "permuted saved tensors": Row(permuted_saved_tensors),
+    "views through their base (qkv, SwiGLU)": Row(views_through_their_base),
 }
 
 
