@@ -180,6 +180,9 @@ class OffloadContext:
         self._hooks: saved_tensors_hooks | None = None
         self._depth_token: contextvars.Token[int] | None = None
         self._inside = False
+        #: whether :attr:`inside_context` tells the truth (the Megatron integration turns
+        #: it off where Megatron would assert that TransformerEngine is installed)
+        self.report_inside_context = True
         self._inert = False  # the current (or last) layer forward passes through
         # The pass and layer of the latest forward, for sync_fn. Weak: a pass belongs
         # to its graph. Strong from a layer's forward until its sync_fn attaches the
@@ -196,7 +199,7 @@ class OffloadContext:
     @property
     def inside_context(self) -> bool:
         """TransformerEngine's name for :attr:`active` (Megatron-Core reads it)."""
-        return self._inside
+        return self._inside and self.report_inside_context
 
     def __enter__(self) -> OffloadContext:
         return self.enter_layer()

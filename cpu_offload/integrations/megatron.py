@@ -1,0 +1,139 @@
+"""Megatron-Core: install cpu-offload where Megatron looks for TransformerEngine's offloader.
+
+Megatron-Core's ``TransformerBlock`` does not call TransformerEngine directly: it calls
+``get_cpu_offload_context`` from ``megatron.core.extensions.transformer_engine`` (a
+wrapper with up to seven positional parameters), bound at import time into
+``megatron.core.transformer.transformer_block``, and without TransformerEngine that name
+is ``None`` and the block refuses ``cpu_offloading=True``.  :func:`patch` puts
+:func:`get_cpu_offload_context` in both places; build the model after patching.
+
+Example:
+    >>> from cpu_offload.integrations import megatron
+    >>> ctx, commit = megatron.get_cpu_offload_context(True, 1, 4, True, False, False, False)
+    >>> ctx.inside_context
+    False
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ..context import get_cpu_offload_context as _get_cpu_offload_context
+
+__all__ = ["MegatronPatch", "get_cpu_offload_context", "patch"]
+
+#: where Megatron-Core (0.13 to 0.19) reads the offloader from
+_SITES = (
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.extensions.transformer_engine",
+)
+_LAYERS_MODULE = "megatron.core.tensor_parallel.layers"
+
+
+def get_cpu_offload_context(
+    enabled: bool,
+    num_layers: int,
+    model_layers: int,
+    activation_offloading: bool = True,
+    weight_offloading: bool = False,
+    double_buffering: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    **options: Any,
+) -> tuple[Any, Callable[[Any], Any]]:
+    """Megatron-Core's wrapper signature: ``(context, commit)``.
+
+    The positional parameters are Megatron's, in Megatron's order (releases before
+    0.19 pass the first five or six); ``options`` go to
+    :func:`cpu_offload.get_cpu_offload_context` (``device``, ``min_offload_numel``).
+    """
+    context, commit = _get_cpu_offload_context(
+        enabled,
+        num_layers,
+        model_layers,
+        activation_offloading,
+        weight_offloading,
+        double_buffering,
+        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        **options,
+    )
+    if enabled and activation_offloading and not _megatron_has_te():
+        # Megatron's linear layers read `inside_context` only to tag their input for
+        # TransformerEngine, and assert TE is present when it is True.  Our offloader
+        # needs no tag: tell them they are outside.
+        context.report_inside_context = False
+    return context, commit
+
+
+def _megatron_has_te() -> bool:
+    try:
+        layers = importlib.import_module(_LAYERS_MODULE)
+    except ImportError:
+        return False
+    return bool(getattr(layers, "HAVE_TE", False))
+
+
+class MegatronPatch:
+    """What :func:`patch` changed; :meth:`remove` puts the originals back."""
+
+    def __init__(self, originals: list[tuple[ModuleType, Any]], function: Callable) -> None:
+        self._originals = originals
+        self.function = function
+
+    def remove(self) -> None:
+        for module, original in self._originals:
+            module.get_cpu_offload_context = original  # type: ignore[attr-defined]
+        self._originals = []
+
+    def __enter__(self) -> MegatronPatch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def patch(**options: Any) -> MegatronPatch:
+    """Make Megatron-Core's ``TransformerBlock`` offload with cpu-offload.
+
+    Call it before the model is built (the block creates its context in
+    ``__init__``); then ``cpu_offloading=True`` and ``cpu_offloading_num_layers=k`` in
+    the ``TransformerConfig`` work with or without TransformerEngine.  ``options``
+    (``device``, ``min_offload_numel``) are passed to every context created.
+
+    Megatron's ``TransformerConfig`` still refuses ``cpu_offloading`` with pipeline
+    parallelism > 1 or activation recomputation; both work with
+    :func:`cpu_offload.offload_layers` on the built model instead (see docs/megatron.md).
+
+    Raises:
+        ImportError: Megatron-Core is not installed.
+    """
+    try:
+        block = importlib.import_module(_SITES[0])
+    except ImportError as error:
+        raise ImportError(
+            "cpu_offload.integrations.megatron.patch() needs megatron-core "
+            "(pip install megatron-core); it was not found."
+        ) from error
+
+    def function(*args: Any, **kwargs: Any) -> tuple[Any, Callable[[Any], Any]]:
+        return get_cpu_offload_context(*args, **{**options, **kwargs})
+
+    originals = []
+    for name in _SITES:
+        try:
+            module = block if name == _SITES[0] else importlib.import_module(name)
+        except ImportError:
+            continue  # the TE extension fails to import in some releases without TE
+        originals.append((module, getattr(module, "get_cpu_offload_context", None)))
+        module.get_cpu_offload_context = function  # type: ignore[attr-defined]
+    if not hasattr(block, "TransformerBlock"):  # pragma: no cover - a future layout
+        warnings.warn(
+            "cpu_offload: megatron.core.transformer.transformer_block has no "
+            "TransformerBlock; this Megatron-Core release is not one the patch knows.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return MegatronPatch(originals, function)
