@@ -52,11 +52,11 @@ from typing import Any
 import torch
 
 from .copy_timer import CopyTimer
-from .device import DeviceBackend
+from .device import DeviceBackend, get_backend
 from .errors import OffloadStateError
 from .host_buffers import HostBufferPool
 from .marks import marks_of
-from .selection import is_offloadable
+from .selection import DEFAULT_MIN_OFFLOAD_NUMEL, is_offloadable
 from .stats import OffloadStats
 from .tensor_group import TensorGroup, TensorGroupProcessor
 
@@ -158,12 +158,16 @@ class _Decomposed:
 class OffloadableLayerState:
     """Saved tensors of one layer of one forward pass, and their copies.
 
+    Constructed as TransformerEngine constructs its own,
+    ``OffloadableLayerState(offload_stream=stream)``; everything else is optional.
+
     Args:
-        layer_index: index of the layer in the model (used in messages and for
-            host buffer reuse).
-        backend: the device backend.
-        offload_stream: stream on which copies run.
-        host_buffers: pool that hands out host buffers.
+        offload_stream: stream on which copies run; a new one of the backend by default.
+        retain_pinned_cpu_buffers: keep this layer's host buffers for the next
+            iteration (used when no ``host_buffers`` pool is given).
+        layer_index: index of the layer in the model (messages, host buffer reuse).
+        backend: the device backend; the best available device's by default.
+        host_buffers: pool that hands out host buffers; a new one by default.
         min_offload_numel: smaller tensors stay on the device.
         stats: counters to update.
         name: how messages name this layer.
@@ -172,15 +176,23 @@ class OffloadableLayerState:
 
     def __init__(
         self,
-        layer_index: int,
-        backend: DeviceBackend,
-        offload_stream: Any,
-        host_buffers: HostBufferPool,
-        min_offload_numel: int,
+        offload_stream: Any = None,
+        retain_pinned_cpu_buffers: bool = False,
+        *,
+        layer_index: int = 0,
+        backend: DeviceBackend | None = None,
+        host_buffers: HostBufferPool | None = None,
+        min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
         stats: OffloadStats | None = None,
         name: str | None = None,
         copy_timer: CopyTimer | None = None,
     ) -> None:
+        if backend is None:
+            backend = get_backend()
+        if offload_stream is None:
+            offload_stream = backend.new_stream()
+        if host_buffers is None:
+            host_buffers = HostBufferPool(backend, retain_pinned_cpu_buffers)
         self.layer_index = layer_index
         self.name = name or f"layer {layer_index}"
         self.backend = backend

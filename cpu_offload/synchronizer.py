@@ -66,6 +66,7 @@ class OffloadSynchronizer:
         self.stats = OffloadStats()
         self.copy_timer: CopyTimer | None = None  # set by benchmarks to time copies
         self._current: ForwardPass | None = None  # forward in progress (held strongly)
+        self._driven_by_hand: ForwardPass | None = None  # see bwd_step
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
 
     @property
@@ -84,14 +85,14 @@ class OffloadSynchronizer:
     def _new_pass(self) -> ForwardPass:
         def make_state(layer: int, name: str) -> OffloadableLayerState:
             state = OffloadableLayerState(
-                layer,
-                self.backend,
                 self.offload_stream,
-                self.host_buffers,
-                self.min_offload_numel,
-                self.stats,
-                name,
-                self.copy_timer,
+                layer_index=layer,
+                backend=self.backend,
+                host_buffers=self.host_buffers,
+                min_offload_numel=self.min_offload_numel,
+                stats=self.stats,
+                name=name,
+                copy_timer=self.copy_timer,
             )
             state.reload_advice = self.reload_advice
             return state
@@ -193,6 +194,10 @@ class OffloadSynchronizer:
         forward_pass = self.resolve_pass(forward_pass)
         if forward_pass is self._current:
             self._current = None  # backward reached a forward that ended early
+            if forward_pass._token is None:
+                # Driven by hand (no context, no graph holds the pass): keep it until
+                # finish_part_of_bwd, as TransformerEngine's synchronizer keeps its states.
+                self._driven_by_hand = forward_pass
         previous = forward_pass.previous_bwd_layer
         if previous is not None and previous != layer:
             forward_pass.layer_states[previous].release_all_memory()
@@ -207,6 +212,8 @@ class OffloadSynchronizer:
         if previous is not None:
             forward_pass.layer_states[previous].release_all_memory()
         forward_pass.previous_bwd_layer = None
+        if self._driven_by_hand is forward_pass:
+            self._driven_by_hand = None
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
         """Policy hook: backward reaches ``layer``."""
@@ -235,18 +242,24 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     reload of layer ``i`` starts when ``j == L - 1 - k + i``.  The device then holds
     at most ``L - k`` layers' activations at the end of the forward pass.
 
+    Constructed as TransformerEngine's, ``DefaultOffloadSynchronizer(num_layers=L,
+    num_offloaded_layers=k)``, and driven by ``fwd_step``/``push_tensor``/``bwd_step``/
+    ``pop_tensor``/``finish_part_of_bwd`` when used without a context.
+
     Args:
         num_layers: layers per forward pass (``L``).
-        num_offloaded_layers: layers to offload (``k``), ``0 <= k <= L - 1``.
-        retain_pinned_cpu_buffers, device, min_offload_numel: as for
+        num_offloaded_layers: layers to offload (``k``), ``0 <= k <= L - 1``; 1 by
+            default, as ``get_cpu_offload_context``.
+        retain_pinned_cpu_buffers, offload_stream, device, min_offload_numel: as for
             :class:`OffloadSynchronizer`.
     """
 
     def __init__(
         self,
         num_layers: int,
-        num_offloaded_layers: int,
+        num_offloaded_layers: int = 1,
         retain_pinned_cpu_buffers: bool = False,
+        offload_stream: Any = None,
         *,
         device: torch.device | str | None = None,
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
@@ -265,6 +278,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         super().__init__(
             num_layers,
             retain_pinned_cpu_buffers,
+            offload_stream,
             device=device,
             min_offload_numel=min_offload_numel,
         )

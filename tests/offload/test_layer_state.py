@@ -18,7 +18,11 @@ S = LayerState
 def make_state(retain: bool = False, min_numel: int = 0, index: int = 3) -> OffloadableLayerState:
     backend = get_backend("cpu")
     return OffloadableLayerState(
-        index, backend, backend.new_stream(), HostBufferPool(backend, retain), min_numel
+        backend.new_stream(),
+        layer_index=index,
+        backend=backend,
+        host_buffers=HostBufferPool(backend, retain),
+        min_offload_numel=min_numel,
     )
 
 
@@ -255,9 +259,7 @@ class _CountingBackend(type(get_backend("cpu"))):
 
 def _counting_state() -> tuple[OffloadableLayerState, _CountingBackend]:
     backend = _CountingBackend()
-    state = OffloadableLayerState(
-        0, backend, backend.new_stream(), HostBufferPool(backend, False), 0
-    )
+    state = OffloadableLayerState(backend.new_stream(), backend=backend, min_offload_numel=0)
     return state, backend
 
 

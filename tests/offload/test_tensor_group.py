@@ -13,16 +13,13 @@ from cpu_offload import (
     start_offload,
 )
 from cpu_offload.device import get_backend
-from cpu_offload.host_buffers import HostBufferPool
 
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
 
 def offload_and_reload(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     backend = get_backend("cpu")
-    state = OffloadableLayerState(
-        0, backend, backend.new_stream(), HostBufferPool(backend, False), 0
-    )
+    state = OffloadableLayerState(backend.new_stream(), backend=backend, min_offload_numel=0)
     handles = [state.push_tensor(t) for t in tensors]
     state.start_offload()
     copies = state.num_offloaded_tensors

@@ -81,13 +81,10 @@ def test_data_components_offloaded_scales_stay(name):
 
 def test_rebuilt_tensor_is_bit_identical():
     from cpu_offload.device import get_backend
-    from cpu_offload.host_buffers import HostBufferPool
     from cpu_offload.layer_state import OffloadableLayerState, unpack_saved
 
     backend = get_backend("cpu")
-    state = OffloadableLayerState(
-        0, backend, backend.new_stream(), HostBufferPool(backend, False), 0
-    )
+    state = OffloadableLayerState(backend.new_stream(), backend=backend, min_offload_numel=0)
     q = MXFP8Quantizer(columnwise=True).quantize(torch.randn(64, 64))
     handle = state.push_tensor(q)
     state.start_offload()
