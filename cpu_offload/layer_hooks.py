@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .context import OffloadContext, get_cpu_offload_context
+from .context import OffloadContext, get_cpu_offload_context, mark_not_offload
 
-__all__ = ["OffloadLayersHandle", "offload_layers"]
+__all__ = ["LAYER_PATHS", "OffloadLayersHandle", "find_layers", "offload_layers"]
 
 
 def _primary_tensor(output: Any) -> torch.Tensor | None:
@@ -33,6 +33,85 @@ def _primary_tensor(output: Any) -> torch.Tensor | None:
         if found is not None:
             return found
     return None
+
+
+#: where models keep their decoder layers, tried in this order
+LAYER_PATHS = (
+    "model.layers",  # Hugging Face Llama, Mistral, Qwen, Gemma, ...
+    "model.decoder.layers",  # Hugging Face OPT, BART-style decoders
+    "transformer.h",  # GPT-2, GPT-J, Falcon
+    "gpt_neox.layers",  # GPT-NeoX, Pythia
+    "decoder.layers",  # Megatron-Core GPTModel
+    "layers",  # torchtune TransformerDecoder, a bare decoder
+    "h",
+)
+#: wrappers looked through: peft, DDP / FSDP1, torch.compile, Megatron's Float16Module
+_WRAPPERS = ("base_model", "module", "_orig_mod", "model")
+
+
+def _candidates(model: nn.Module, depth: int = 4) -> list[nn.Module]:
+    """``model`` and the modules it wraps, outermost first."""
+    found, frontier = [model], [model]
+    for _ in range(depth):
+        frontier = [
+            inner
+            for module in frontier
+            for name in _WRAPPERS
+            if isinstance(inner := getattr(module, name, None), nn.Module) and inner not in found
+        ]
+        found.extend(frontier)
+    return found
+
+
+def _lookup(module: nn.Module, path: str) -> Any:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def find_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """The decoder layers of ``model``, or ``model`` itself when it is a list of layers.
+
+    Looks, through peft / DDP / ``torch.compile`` wrappers, at the attribute paths in
+    :data:`LAYER_PATHS` and takes the first ``ModuleList`` (or ``nn.Sequential``) found.
+
+    Raises:
+        ValueError: no layer list was found; the message names what was looked for.
+    """
+    if isinstance(model, (nn.ModuleList, nn.Sequential, list, tuple)):
+        return list(model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"offload_layers: expected a model (nn.Module) or a list of layers, got "
+            f"{type(model).__name__}."
+        )
+    for candidate in _candidates(model):
+        for path in LAYER_PATHS:
+            layers = _lookup(candidate, path)
+            if isinstance(layers, (nn.ModuleList, nn.Sequential)) and len(layers) > 0:
+                return list(layers)
+    raise ValueError(
+        f"offload_layers: could not find the decoder layers of {type(model).__name__}: "
+        f"looked for a ModuleList at {', '.join(LAYER_PATHS)} (also inside base_model, "
+        "module and _orig_mod wrappers). Pass the layers themselves, for example "
+        "offload_layers(model.backbone.blocks, k)."
+    )
+
+
+def _resolve_count(k: int | float, num_layers: int) -> int:
+    """``k`` layers, or a fraction of ``num_layers`` (rounded down)."""
+    if isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise TypeError(f"offload_layers: k must be an int or a fraction, got {k!r}.")
+    if isinstance(k, float):
+        if not 0.0 <= k < 1.0:
+            raise ValueError(
+                f"offload_layers: a fractional k must be in [0, 1), got {k}; pass an int "
+                f"for a number of layers (at most {num_layers - 1} of {num_layers})."
+            )
+        return int(k * num_layers)
+    return k
 
 
 class OffloadLayersHandle:
@@ -66,9 +145,9 @@ class OffloadLayersHandle:
 
 
 def offload_layers(
-    layers: Sequence[nn.Module], num_offloaded_layers: int, **options: Any
+    model: nn.Module | Sequence[nn.Module], num_offloaded_layers: int | float, **options: Any
 ) -> OffloadLayersHandle:
-    """Offload the activations of the first ``num_offloaded_layers`` of ``layers``.
+    """Offload the activations of the first ``num_offloaded_layers`` decoder layers.
 
     Each module's forward runs inside the offload context (forward pre- and post-hooks)
     and its output goes through ``sync_fn``, whether it returns a tensor, a tuple or a
@@ -77,9 +156,15 @@ def offload_layers(
     layer may be skipped (LayerDrop), and a forward that starts over at the first
     layer (after an interrupted step) starts a new pass.
 
+    The buffers of ``model`` (and of the layers) are marked not to be offloaded: RoPE
+    caches and masks live anyway, and slices of them are saved in every layer.
+    Parameters are never offloaded.  Call this after moving the model to its device.
+
     Args:
-        layers: the modules, for example a Hugging Face model's ``model.layers``.
-        num_offloaded_layers: ``k``; ``0 <= k <= len(layers) - 1``.
+        model: a model whose decoder layers :func:`find_layers` finds (Hugging Face,
+            peft, torchtune, Megatron-Core), or the layers themselves.
+        num_offloaded_layers: ``k``, ``0 <= k <= L - 1``; or a fraction in ``[0, 1)``
+            of the ``L`` layers, rounded down.
         **options: keyword arguments of :func:`get_cpu_offload_context`
             (``retain_pinned_cpu_buffers``, ``device``, ``min_offload_numel``,
             ``manual_synchronization``, ``offload_stream``).
@@ -100,9 +185,12 @@ def offload_layers(
         2
         >>> handle.remove()
     """
-    layers = list(layers)
+    layers = find_layers(model)
     manual = bool(options.get("manual_synchronization", False))
-    result = get_cpu_offload_context(True, num_offloaded_layers, len(layers), **options)
+    count = _resolve_count(num_offloaded_layers, len(layers))
+    result = get_cpu_offload_context(True, count, len(layers), **options)
+    owners = [model] if isinstance(model, nn.Module) else []
+    mark_not_offload(*{id(b): b for m in owners + layers for b in m.buffers()}.values())
     context, sync_fn = result[0], result[1]
     handle = OffloadLayersHandle(context, sync_fn, result[2] if manual else None)
     synchronizer = context.offload_synchronizer

@@ -135,3 +135,21 @@ def test_example_runs():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "gradients bit-identical: True" in result.stdout
+
+
+def test_offload_layers_finds_megatrons_decoder_layers(megatron):
+    """The way past Megatron's config checks (pipeline parallelism, recompute)."""
+    from cpu_offload import offload_layers
+
+    example, device = megatron
+    data = example.batches(device, 2)
+    expected = example.train(example.build(None, device), data)
+    model = example.build(None, device)
+    handle = offload_layers(model, 0.5, min_offload_numel=0)
+    synchronizer = handle.offload_synchronizer
+    assert (synchronizer.num_layers, synchronizer.num_offloaded_layers) == (4, 2)
+    actual = example.train(model, data)
+    handle.remove()
+    for step_expected, step_actual in zip(expected, actual):
+        assert all(torch.equal(a, b) for a, b in zip(step_expected, step_actual))
+    assert synchronizer.stats.tensors_offloaded > 0

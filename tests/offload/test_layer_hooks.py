@@ -146,3 +146,90 @@ def test_exception_inside_forward_discards_the_pass():
     model.layers[1].forward = original
     assert not handle.context.active and handle.offload_synchronizer.current_pass is None
     assert_bit_identical(expected, loss_and_grads(model, TOKENS))
+
+
+class RopeLikeLayer(nn.Linear):
+    def forward(self, x, freqs):
+        return super().forward(x) * freqs[: x.shape[0]]  # saves a slice of the buffer
+
+
+class TinyDecoder(nn.Module):
+    """Hugging Face's layout: ``model.layers``, and a RoPE-like cache as a buffer of the
+    model whose slice every layer saves."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(RopeLikeLayer(8, 8) for _ in range(layers))
+        self.register_buffer("freqs", torch.randn(64, 8))
+
+    def forward(self, x):
+        for layer in self.model.layers:
+            x = layer(x, self.freqs)
+        return x
+
+
+def _step(model, handle):
+    x = torch.randn(16, 8, requires_grad=True)
+    model(x).sum().backward()
+    stats = handle.offload_synchronizer.stats
+    handle.remove()
+    return stats
+
+
+def test_offload_layers_finds_the_layers_and_keeps_buffers_on_the_device():
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    # Given the layer list only, the buffer is not the layers': its slices move.
+    moved_with_buffer = _step(model, offload_layers(model.model.layers, 2, min_offload_numel=0))
+    handle = offload_layers(model, 2, min_offload_numel=0)
+    assert handle.offload_synchronizer.num_layers == 4
+    stats = _step(model, handle)
+    assert stats.tensors_offloaded == moved_with_buffer.tensors_offloaded - 2  # one per layer
+
+
+@pytest.mark.parametrize("fraction, expected", [(0.5, 2), (0.3, 1), (0.0, 0), (0.99, 3)])
+def test_k_may_be_a_fraction_of_the_layers(fraction, expected):
+    handle = offload_layers(TinyDecoder(), fraction)
+    assert handle.offload_synchronizer.num_offloaded_layers == expected
+    handle.remove()
+
+
+@pytest.mark.parametrize(
+    "k, error, match",
+    [
+        (1.0, ValueError, r"a fractional k must be in \[0, 1\), got 1.0"),
+        (True, TypeError, "k must be an int or a fraction, got True"),
+    ],
+)
+def test_k_errors(k, error, match):
+    with pytest.raises(error, match=match):
+        offload_layers(TinyDecoder(), k)
+
+
+def test_a_model_without_known_layers_is_refused_with_what_was_looked_for():
+    class Backbone(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    with pytest.raises(ValueError) as caught:
+        offload_layers(Backbone(), 1)
+    message = str(caught.value)
+    assert "could not find the decoder layers of Backbone" in message
+    assert "model.layers, model.decoder.layers, transformer.h" in message
+    assert "offload_layers(model.backbone.blocks, k)" in message
+
+
+def test_wrappers_are_looked_through():
+    class Wrapper(nn.Module):  # like DDP, or peft's base_model
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    inner = TinyDecoder(layers=3)
+    compiled_like = nn.Module()
+    compiled_like._orig_mod = Wrapper(inner)
+    handle = offload_layers(compiled_like, 1)
+    assert handle.offload_synchronizer.num_layers == 3
+    handle.remove()
