@@ -94,16 +94,20 @@ def _context(k: int, backend: DeviceBackend, min_offload_numel: int | None = Non
         return get_cpu_offload_context(True, k, LAYERS, **options)
 
 
-def _step(layers: nn.ModuleList, x: torch.Tensor, ctx: Any = None, sync_fn: Any = None):
-    """One forward and backward; the gradients of the parameters and the input."""
-    layers.zero_grad(set_to_none=True)
-    x.grad = None
+def _forward(layers: nn.ModuleList, x: torch.Tensor, ctx: Any, sync_fn: Any) -> torch.Tensor:
     h = x
     for layer in layers:
         with ctx if ctx is not None else contextlib.nullcontext():
             h = layer(h)
         h = sync_fn(h) if sync_fn is not None else h
-    h.float().square().mean().backward()
+    return h
+
+
+def _step(layers: nn.ModuleList, x: torch.Tensor, ctx: Any = None, sync_fn: Any = None):
+    """One forward and backward; the gradients of the parameters and the input."""
+    layers.zero_grad(set_to_none=True)
+    x.grad = None
+    _forward(layers, x, ctx, sync_fn).float().square().mean().backward()
     return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
 
 
@@ -134,8 +138,9 @@ def check_gradients(
         ctx, sync_fn = _context(k, backend, min_offload_numel=0 if make is not None else None)
         actual = _step(layers, x, ctx, sync_fn)
         moved += ctx.offload_synchronizer.stats.tensors_offloaded
-        if _differing(expected, actual):
-            failures.append(f"k={k}: {_differing(expected, actual)} of {len(actual)} differ")
+        differing = _differing(expected, actual)
+        if differing:
+            failures.append(f"k={k}: {differing} of {len(actual)} differ")
     ks_text = f"k = {ks[0]}..{ks[-1]}" if len(ks) > 1 else f"k = {ks[0]}"
     if failures:
         return CheckResult(name, FAIL, "; ".join(failures))
@@ -151,11 +156,7 @@ def _held_after_forward(
 ) -> int:
     backend.synchronize()
     before = backend.memory_allocated() or 0
-    h = x
-    for layer in layers:
-        with ctx if ctx is not None else contextlib.nullcontext():
-            h = layer(h)
-        h = sync_fn(h) if sync_fn is not None else h
+    h = _forward(layers, x, ctx, sync_fn)
     backend.synchronize()
     held = (backend.memory_allocated() or 0) - before
     h.float().square().mean().backward()

@@ -271,10 +271,7 @@ class StreamBackend(DeviceBackend):
         return self._runtime.Event()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
-        if self._contiguous_copies_only:
-            dst, src = _as_contiguous_pair(dst, src)
-        with self._runtime.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        self.copy_many([dst], [src], stream, label)
 
     def copy_many(
         self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, label: str = ""

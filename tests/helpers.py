@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_offload import get_cpu_offload_context, start_offload
+from cpu_offload import OffloadableLayerState, get_cpu_offload_context, start_offload
 
 
 class MLPBlock(nn.Module):
@@ -106,3 +106,15 @@ def assert_bit_identical(expected: list[torch.Tensor], actual: list[torch.Tensor
     for index, (a, b) in enumerate(zip(expected, actual)):
         assert a.dtype == b.dtype and a.shape == b.shape, index
         assert torch.equal(a, b), f"gradient {index} differs (max abs diff {(a - b).abs().max()})"
+
+
+def without_event_waits(monkeypatch, method_name):
+    """Plant a bug: ``OffloadableLayerState.<method_name>`` skips every event wait."""
+    original = getattr(OffloadableLayerState, method_name)
+
+    def buggy(self, *args):
+        with monkeypatch.context() as patch:
+            patch.setattr(self.backend, "wait_event", lambda stream, event: None)
+            return original(self, *args)
+
+    monkeypatch.setattr(OffloadableLayerState, method_name, buggy)

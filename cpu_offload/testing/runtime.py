@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..device import StreamBackend, override_host_backend
+from ..device import StreamBackend, _HostTimingEvent, override_host_backend
 from .simulator import SimulatedBackend, SimulatedEvent, SimulatedStream, _ComputeWatch
 
 __all__ = ["FLAVOURS", "SimulatedRuntime", "strict_runtime"]
@@ -47,11 +47,7 @@ class SimulatedTimingEvent(SimulatedEvent):
         super().record(stream)
         self.time = time.perf_counter()
 
-    def elapsed_time(self, end: SimulatedTimingEvent) -> float:
-        """Milliseconds from this event to ``end``."""
-        if self.time is None or end.time is None:
-            raise RuntimeError("elapsed_time: both events must be recorded first.")
-        return (end.time - self.time) * 1e3
+    elapsed_time = _HostTimingEvent.elapsed_time  # milliseconds from this event to ``end``
 
 
 class SimulatedRuntime:

@@ -142,7 +142,6 @@ class _Copy:
     def __init__(self, sim: SimulatedBackend, dst: torch.Tensor, src: torch.Tensor, label: str):
         self.sim = sim
         self.src, self.dst = _End(src), _End(dst)
-        self.src_key, self.dst_key = self.src.key, self.dst.key
         self.shape, self.dtype, self.label = tuple(src.shape), src.dtype, label
         self.done = False
 
@@ -325,10 +324,10 @@ class SimulatedBackend(DeviceBackend):
         raise StreamHazardError(f"strict_streams: {message}")
 
     def forget_pending(self, copy: _Copy) -> None:
-        if copy.src_key is not None:
-            self.pending_reads[copy.src_key] -= 1
-        if copy.dst_key is not None:
-            self.pending_writes[copy.dst_key] -= 1
+        if copy.src.key is not None:
+            self.pending_reads[copy.src.key] -= 1
+        if copy.dst.key is not None:
+            self.pending_writes[copy.dst.key] -= 1
 
     def check_compute_access(self, tensor: torch.Tensor, write: bool) -> None:
         key = _storage_key(tensor)
@@ -399,7 +398,8 @@ class SimulatedBackend(DeviceBackend):
                 f"{dst.stride()} was issued on {stream.name}: torch_npu copies between "
                 "non-contiguous tensors through pageable memory and synchronises the host."
             )
-        src_key, dst_key = _storage_key(src), _storage_key(dst)
+        item = _Copy(self, dst, src, label)
+        src_key, dst_key = item.src.key, item.dst.key
         if src_key is not None and self.last_write.get(src_key, 0) > stream.waited_compute_seq:
             self.hazard(
                 f"a copy of {_describe(src, label)} was issued on {stream.name} before that "
@@ -411,7 +411,6 @@ class SimulatedBackend(DeviceBackend):
                 f"a copy into {_describe(dst, label)} was issued while an earlier queued "
                 "copy still reads or writes that buffer (a buffer reused too early)."
             )
-        item = _Copy(self, dst, src, label)
         if src_key is not None:
             self.pending_reads[src_key] += 1
         if dst_key is not None:

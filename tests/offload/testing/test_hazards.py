@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import forward, make_input, make_layers
+from helpers import forward, make_input, make_layers, without_event_waits
 
 from cpu_offload import OffloadableLayerState, get_cpu_offload_context
 from cpu_offload.host_buffers import HostBufferPool
@@ -30,18 +30,6 @@ def train(layers, offloaded=None, inputs=(1,), retain=False, interleave=False):
         for x in xs:
             forward(layers, x, ctx, sync_fn).square().mean().backward()
     return [p.grad.clone() for p in layers.parameters()]
-
-
-def without_event_waits(monkeypatch, method_name):
-    """Plant a bug: ``OffloadableLayerState.<method_name>`` skips every event wait."""
-    original = getattr(OffloadableLayerState, method_name)
-
-    def buggy(self, *args):
-        with monkeypatch.context() as patch:
-            patch.setattr(self.backend, "wait_event", lambda stream, event: None)
-            return original(self, *args)
-
-    monkeypatch.setattr(OffloadableLayerState, method_name, buggy)
 
 
 def test_hazard_pop_without_reload_wait(monkeypatch):

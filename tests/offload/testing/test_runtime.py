@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import forward, make_input, make_layers
+from helpers import forward, make_input, make_layers, without_event_waits
 
-from cpu_offload import OffloadableLayerState, get_cpu_offload_context
+from cpu_offload import get_cpu_offload_context
 from cpu_offload.copy_timer import CopyTimer
 from cpu_offload.device import StreamBackend, get_backend
 from cpu_offload.testing import SimulatedRuntime, StreamHazardError, strict_runtime
@@ -49,14 +49,7 @@ def test_only_copies_run_on_a_side_stream():
 
 def test_a_reload_used_without_its_wait_is_a_hazard(monkeypatch):
     """StreamBackend reports no handoffs: the compute that reads the tensor catches it."""
-    original = OffloadableLayerState._pop
-
-    def pop_without_waits(self, handle):
-        with monkeypatch.context() as patch:
-            patch.setattr(self.backend, "wait_event", lambda stream, event: None)
-            return original(self, handle)
-
-    monkeypatch.setattr(OffloadableLayerState, "_pop", pop_without_waits)
+    without_event_waits(monkeypatch, "_pop")
     layers = make_layers("mlp", 4, 32, torch.float32)
     with pytest.raises(StreamHazardError, match="a wait for the copy's event is missing"):
         with strict_runtime("cuda"):
