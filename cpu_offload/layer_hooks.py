@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .context import OffloadContext, get_cpu_offload_context, mark_not_offload
+from .context import (
+    OffloadContext,
+    _checkpoint_forward_active,
+    _forward_inside_backward,
+    get_cpu_offload_context,
+    mark_not_offload,
+)
 
 __all__ = ["LAYER_PATHS", "OffloadLayersHandle", "find_layers", "offload_layers"]
 
@@ -122,6 +129,9 @@ class OffloadLayersHandle:
         sync_fn: the sync function applied to each layer's output.
         offload_synchronizer: the synchronizer in use.
         controller: the manual controller with ``manual_synchronization=True``, else None.
+        enabled: while False, the layers' forwards pass through the hooks untouched
+            (nothing is offloaded); a forward pass must not span a change.
+        forwards_seen: the layer forwards the hooks have seen while enabled.
     """
 
     def __init__(self, context: OffloadContext, sync_fn: Any, controller: Any) -> None:
@@ -129,13 +139,72 @@ class OffloadLayersHandle:
         self.sync_fn = sync_fn
         self.controller = controller
         self.offload_synchronizer = context.offload_synchronizer
+        self.enabled = True
+        self.forwards_seen = 0
         self._hooks: list[Any] = []
+        self._watchers: list[Any] = []  # gradient hooks waiting for the first forward
+        self._warned_checkpoint = False
 
     def remove(self) -> None:
         """Remove the hooks: the modules behave as before."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        for hook in self._watchers:
+            hook.remove()
+        self._watchers.clear()
+
+    def _watch_for_missed_forwards(self, layers: list[nn.Module]) -> None:
+        """Warn if a backward reaches the layers' parameters before any forward went
+        through the hooks (a model compiled before they were installed runs without
+        them: dynamo does not guard on module hooks)."""
+
+        def check(param: torch.Tensor) -> None:
+            if self.forwards_seen == 0 and self._watchers:
+                self._stop_watching()
+                warnings.warn(
+                    "cpu_offload: a backward reached the parameters of the offloaded layers, "
+                    "but no forward since offload_layers() went through its hooks, so "
+                    "nothing was offloaded. The usual cause is torch.compile: a model (or "
+                    "another instance of its layer class) compiled and run before the hooks "
+                    "were installed keeps running without them. Call offload_layers() "
+                    "before compiling the model, or call torch._dynamo.reset() after it.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
+        for layer in layers:
+            param = next((p for p in layer.parameters() if p.requires_grad), None)
+            if param is not None:
+                self._watchers.append(param.register_post_accumulate_grad_hook(check))
+
+    def _warn_inside_checkpoint(self, layer: nn.Module) -> None:
+        if self._warned_checkpoint:
+            return
+        self._warned_checkpoint = True
+        if getattr(layer, "gradient_checkpointing", False):
+            advice = (
+                "This layer checkpoints itself (Hugging Face gradient_checkpointing_enable()), "
+                "inside its own call where hooks cannot reach: use gradient checkpointing "
+                "or offload_layers for these layers, not both."
+            )
+        else:
+            advice = (
+                "Wrap the layers for checkpointing first (torchtune's "
+                "set_activation_checkpointing, apply_activation_checkpointing), then call "
+                "offload_layers, so that its hooks go on the checkpoint wrappers and the "
+                "checkpoint's inputs are offloaded."
+            )
+        warnings.warn(
+            f"cpu_offload: offloaded layer {type(layer).__name__} runs inside activation "
+            "checkpointing (torch.utils.checkpoint): only the checkpoint's inputs are saved "
+            "for backward, outside the hooks, so this layer offloads nothing. " + advice,
+            UserWarning,
+            stacklevel=3,
+        )
 
     def __enter__(self) -> OffloadLayersHandle:
         return self
@@ -199,6 +268,19 @@ def offload_layers(
         positions.setdefault(id(layer), []).append(position)
 
     def enter(module: nn.Module, args: Any) -> None:
+        if not handle.enabled:
+            return
+        handle.forwards_seen += 1
+        if handle._watchers:
+            handle._stop_watching()
+        if (
+            count > 0
+            and torch.is_grad_enabled()
+            and _checkpoint_forward_active()
+            and not _forward_inside_backward()
+            and synchronizer.layer_is_offloaded(positions[id(module)][0])
+        ):
+            handle._warn_inside_checkpoint(module)
         current = synchronizer.current_pass
         expected = current.layers_forwarded if current is not None else 0
         if expected >= len(layers):
@@ -225,7 +307,13 @@ def offload_layers(
         if primary is not None:
             sync_fn(primary)
 
-    for layer in {id(layer): layer for layer in layers}.values():  # a shared module once
+    # Compiled layers run the hooks eagerly, around the compiled forward: the saved-
+    # tensor hooks they enter apply to the compiled graph's saved tensors at run time.
+    enter, leave = torch.compiler.disable(enter), torch.compiler.disable(leave)
+    unique = list({id(layer): layer for layer in layers}.values())  # a shared module once
+    for layer in unique:
         handle._hooks.append(layer.register_forward_pre_hook(enter))
         handle._hooks.append(layer.register_forward_hook(leave, always_call=True))
+    if count > 0:
+        handle._watch_for_missed_forwards(unique)
     return handle

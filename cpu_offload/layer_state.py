@@ -237,6 +237,9 @@ class OffloadableLayerState:
 
     # ------------------------------------------------------------- push / pop
 
+    # Pack and unpack hooks run eagerly: called back from a compiled graph, they would
+    # otherwise be traced by dynamo as frames of their own.
+    @torch.compiler.disable
     def push_tensor(self, tensor: Any) -> Any:
         """Take a tensor autograd saves; return what the pop will need."""
         if self._backward_done:
@@ -487,6 +490,7 @@ class OffloadableLayerState:
         return self._host_bytes / 2**20
 
 
+@torch.compiler.disable
 def unpack_saved(handle: Any) -> Any:
     """The unpack hook: turn whatever a pack hook returned back into a tensor."""
     kind = type(handle)

@@ -304,6 +304,22 @@ def compiled_autograd(off: Offload) -> list[torch.Tensor]:
     return [x.grad, w.grad]
 
 
+def compiled_layers_with_layer_hooks(off: Offload) -> list[torch.Tensor]:
+    """offload_layers' hooks on layers compiled before and after they were installed."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()) for _ in range(L)]
+    blocks[0].compile(backend="aot_eager")
+    off.layers(blocks)
+    for block in blocks[1:]:
+        block.compile(backend="aot_eager")
+    x = leaf(8, 4)
+    h = x
+    for block in blocks:
+        h = block(h)
+    h.sum().backward()
+    return [x.grad, *(p.grad for block in blocks for p in block.parameters())]
+
+
 def varying_lengths_and_dropped_forwards(off: Offload) -> list[torch.Tensor]:
     """Steps of changing lengths (host blocks reused as other layouts), a permuted
     saved tensor, and a forward whose graph is dropped between steps."""
@@ -383,6 +399,7 @@ PROGRAMS = {
     "reentrant checkpoint inside hooks": Row(offloaded_checkpointed_layers(True)),
     "one module at every position": Row(shared_module),
     "compiled autograd": Row(compiled_autograd),
+    "offload_layers on compiled layers": Row(compiled_layers_with_layer_hooks),
     "varying lengths, dropped forwards": Row(varying_lengths_and_dropped_forwards),
     "permuted saved tensors": Row(permuted_saved_tensors),
     "views through their base (qkv, SwiGLU)": Row(views_through_their_base),

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_bit_identical, forward, make_input, make_layers
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from cpu_offload import get_cpu_offload_context
+from cpu_offload import get_cpu_offload_context, offload_layers
 from cpu_offload.device import available_device_type
 
 L, K = 4, 2
@@ -54,3 +55,24 @@ def test_compiled_layers_inductor_on_the_accelerator():
     fns = [torch.compile(layer, backend="inductor") for layer in layers]
     stats = check(fns, layers, device=device)
     assert stats.tensors_offloaded > 0
+
+
+def test_a_model_compiled_before_the_hooks_warns_that_nothing_was_offloaded():
+    """Dynamo does not guard on module hooks: hooks added after compiling are skipped."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(4, 8)).sum().backward()
+    handle = offload_layers(list(model), 2, min_offload_numel=0)
+    with pytest.warns(UserWarning) as caught:
+        compiled(torch.randn(4, 8)).sum().backward()
+    messages = [str(w.message) for w in caught if "cpu_offload" in str(w.message)]
+    assert len(messages) == 1
+    assert "no forward since offload_layers() went through its hooks" in messages[0]
+    assert "Call offload_layers() before compiling the model" in messages[0]
+    assert handle.offload_synchronizer.stats.forward_passes == 0
+    torch._dynamo.reset()  # the advice: compiled again, the hooks run
+    compiled(torch.randn(4, 8)).sum().backward()
+    assert handle.offload_synchronizer.stats.tensors_offloaded > 0
+    handle.remove()

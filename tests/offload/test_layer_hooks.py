@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import OrderedDict
 
 import pytest
 import torch
 from helpers import assert_bit_identical
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import offload_layers
 from cpu_offload.llama import Llama, LlamaConfig
@@ -232,4 +235,90 @@ def test_wrappers_are_looked_through():
     compiled_like._orig_mod = Wrapper(inner)
     handle = offload_layers(compiled_like, 1)
     assert handle.offload_synchronizer.num_layers == 3
+    handle.remove()
+
+
+def _stack(layers: int = 3) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(layers)))
+
+
+def test_hooks_seen_by_the_first_forward_stop_watching_for_missed_ones():
+    model = _stack()
+    handle = offload_layers(list(model), 2, min_offload_numel=0)
+    assert len(handle._watchers) == 3  # one gradient hook per layer until a forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(4, 8)).sum().backward()
+    assert handle._watchers == [] and handle.forwards_seen == 3
+    handle.remove()
+
+
+def test_disabled_hooks_pass_forwards_through():
+    model = _stack()
+    handle = offload_layers(list(model), 2, min_offload_numel=0)
+    handle.enabled = False
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert handle.offload_synchronizer.stats.forward_passes == 0
+    handle.enabled = True
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert handle.offload_synchronizer.stats.tensors_offloaded > 0
+    handle.remove()
+
+
+class SelfCheckpointing(nn.Module):
+    """Like a Hugging Face GradientCheckpointingLayer: it checkpoints its own call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.gradient_checkpointing = True
+
+    def __call__(self, x):
+        return checkpoint(super().__call__, x, use_reentrant=False)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize(
+    "wrap, advice",
+    [
+        ("after", "Wrap the layers for checkpointing first"),
+        ("self", "use gradient checkpointing or offload_layers for these layers, not both"),
+    ],
+)
+def test_hooks_inside_a_checkpoint_warn_with_advice_for_the_case(wrap, advice):
+    torch.manual_seed(0)
+    if wrap == "self":
+        layers = [SelfCheckpointing() for _ in range(3)]
+        handle = offload_layers(layers, 2, min_offload_numel=0)
+    else:
+        inner = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)]
+        handle = offload_layers(inner, 2, min_offload_numel=0)
+        layers = [CheckpointWrapper(layer) for layer in inner]  # wrapped after the hooks
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="runs inside activation checkpointing") as caught:
+        for _ in range(2):
+            h = x
+            for layer in layers:
+                h = layer(h)
+            h.sum().backward()
+    messages = [str(w.message) for w in caught if "cpu_offload" in str(w.message)]
+    assert len(messages) == 1 and advice in messages[0]  # once per handle
+    assert handle.offload_synchronizer.stats.tensors_offloaded == 0
+    handle.remove()
+
+
+def test_hooks_on_checkpoint_wrappers_offload_their_inputs_without_warning():
+    torch.manual_seed(0)
+    layers = [CheckpointWrapper(nn.Sequential(nn.Linear(8, 8), nn.Tanh())) for _ in range(3)]
+    handle = offload_layers(layers, 2, min_offload_numel=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = torch.randn(4, 8, requires_grad=True)
+        for layer in layers:
+            h = layer(h)
+        h.sum().backward()
+    assert handle.offload_synchronizer.stats.tensors_offloaded == 2  # each wrapper's input
     handle.remove()
