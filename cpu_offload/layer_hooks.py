@@ -187,9 +187,9 @@ class OffloadLayersHandle:
         self._warned_checkpoint = True
         if getattr(layer, "gradient_checkpointing", False):
             advice = (
-                "This layer checkpoints itself (Hugging Face gradient_checkpointing_enable()), "
-                "inside its own call where hooks cannot reach: use gradient checkpointing "
-                "or offload_layers for these layers, not both."
+                "This layer checkpoints its whole call, hooks included (Hugging Face "
+                "gradient checkpointing before transformers 5): upgrade transformers, or use "
+                "gradient checkpointing or offload_layers for these layers, not both."
             )
         else:
             advice = (

@@ -285,7 +285,7 @@ class SelfCheckpointing(nn.Module):
     "wrap, advice",
     [
         ("after", "Wrap the layers for checkpointing first"),
-        ("self", "use gradient checkpointing or offload_layers for these layers, not both"),
+        ("self", "upgrade transformers, or use gradient checkpointing or offload_layers"),
     ],
 )
 def test_hooks_inside_a_checkpoint_warn_with_advice_for_the_case(wrap, advice):

@@ -1,0 +1,65 @@
+"""Hugging Face ``transformers``: offload a ``Trainer``'s model with a callback.
+
+:func:`~cpu_offload.offload_layers` works on any ``transformers`` (or peft) model as it
+is; this module adds :class:`OffloadCallback`, which installs it when training begins
+and removes it when training ends::
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[OffloadCallback(0.5)])
+    trainer.train()
+
+Importing this module imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..layer_hooks import OffloadLayersHandle, offload_layers
+
+__all__ = ["OffloadCallback"]
+
+
+class OffloadCallback(TrainerCallback):  # type: ignore[misc]
+    """A ``TrainerCallback`` that offloads the first ``k`` decoder layers while training.
+
+    On ``on_train_begin`` (the model is on its device by then) it calls
+    ``offload_layers(model, k, **options)``; on ``on_train_end`` it removes the hooks.
+    Evaluation inside training runs through the hooks under ``torch.no_grad()``, where
+    nothing is saved and nothing moves.
+
+    Args:
+        num_offloaded_layers: ``k``, a number of layers or a fraction in ``[0, 1)`` of
+            them, as for :func:`~cpu_offload.offload_layers`.
+        **options: keyword arguments of :func:`~cpu_offload.get_cpu_offload_context`.
+
+    Attributes:
+        handle: the :class:`~cpu_offload.OffloadLayersHandle` while training (its
+            ``offload_synchronizer.stats`` count what moved), else None.
+    """
+
+    def __init__(self, num_offloaded_layers: int | float, **options: Any) -> None:
+        self.num_offloaded_layers = num_offloaded_layers
+        self.options = options
+        self.handle: OffloadLayersHandle | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        if model is None:
+            raise ValueError(
+                "OffloadCallback: the Trainer passed no model to on_train_begin; add the "
+                "callback to a Trainer built with a model (Trainer(model=..., "
+                "callbacks=[OffloadCallback(k)]))."
+            )
+        self._remove()  # a train() that raised never reached on_train_end
+        self.handle = offload_layers(model, self.num_offloaded_layers, **self.options)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
