@@ -39,8 +39,9 @@ def checkpointed(model):
     return model
 
 
-def step(model, ctx=contextlib.nullcontext()):
+def step(model, ctx=None):
     """A recipe's step: the forward inside the context, the backward outside."""
+    ctx = ctx if ctx is not None else contextlib.nullcontext()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
     tokens = torch.randint(0, 256, (2, 32))
