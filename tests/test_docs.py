@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from hosts import require
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -16,8 +17,14 @@ BLOCKS = [
 ]
 
 
+HOSTS = ("transformers", "torchtune", "peft", "megatron")
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 def test_doc_block_runs(block):
+    for host in HOSTS:  # a block using a host library needs it installed
+        if re.search(rf"^\s*(import|from) {host}\b", block, re.M):
+            require(host)
     exec(compile(block, "<doc>", "exec"), {"__name__": "__doc_example__"})
 
 
