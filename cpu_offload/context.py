@@ -122,10 +122,12 @@ def start_offload(*tensors: Any, offload_base_tensor: bool = False) -> None:
     # backend of each tensor's device.
     backends: dict[torch.device, Any] = {}
     for tensor in _components(tensors):
-        backend = backends.get(tensor.device)
-        if backend is None:
-            backend = backends[tensor.device] = get_backend(tensor.device)
-        fields: dict[str, Any] = {"ready_event": backend.record_event()}
+        fields: dict[str, Any] = {}
+        if tensor.device.type != "meta":  # a meta tensor (planning) has no stream
+            backend = backends.get(tensor.device)
+            if backend is None:
+                backend = backends[tensor.device] = get_backend(tensor.device)
+            fields["ready_event"] = backend.record_event()
         if offload_base_tensor and tensor._base is not None:
             fields["offload_base"] = True
         set_mark(tensor, **fields)

@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_MIN_OFFLOAD_NUMEL",
     "is_dense",
     "is_offloadable",
+    "kept_because",
     "warn_once_per_call_site",
 ]
 
@@ -96,32 +97,48 @@ def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool
     functional tensor of a tracing mode, carries no conjugate or negative bit, and
     is dense or a view copied through its dense base.  Everything else stays where it
     is: a tensor that cannot be moved exactly is not moved.  Quantized tensors are
-    decomposed before this check.
+    decomposed before this check.  :func:`kept_because` says why a tensor stays.
     """
+    reason = kept_because(tensor, device, min_numel)
+    if reason == NOT_DENSE:
+        _warn_not_dense(tensor)  # type: ignore[arg-type]
+    return reason is None
+
+
+#: why a saved tensor stays on the device (:func:`kept_because`)
+SUBCLASS, SMALL, OTHER_DEVICE, NOT_STRIDED = "subclass", "small", "other device", "not strided"
+PARAMETER, MARKED, BIT_OR_TRACING, NOT_DENSE = (
+    "parameter",
+    "marked",
+    "conj/neg/functional",
+    "not dense",
+)
+
+
+def kept_because(tensor: object, device: torch.device, min_numel: int) -> str | None:
+    """Why :func:`is_offloadable` keeps ``tensor`` on the device; None if it moves."""
     if type(tensor) is not torch.Tensor:
-        return False  # parameters, tensor subclasses (nested, fake, DTensor, ...)
+        return SUBCLASS  # parameters, tensor subclasses (nested, fake, DTensor, ...)
     numel = tensor.numel()
     if numel < min_numel or numel == 0:
-        return False
-    if tensor.device != device or tensor.layout is not torch.strided:
-        return False
+        return SMALL
+    if tensor.device != device:
+        return OTHER_DEVICE
+    if tensor.layout is not torch.strided:
+        return NOT_STRIDED
     base = tensor._base
     if isinstance(base, torch.nn.Parameter):
-        return False  # a view of a weight (Linear saves weight.t()) is a weight
+        return PARAMETER  # a view of a weight (Linear saves weight.t()) is a weight
     marks = marks_of(tensor)
     if is_marked_not_offload(tensor, marks):
-        return False
+        return MARKED
     if tensor.is_conj() or tensor.is_neg() or torch._is_functional_tensor(tensor):
-        return False  # (fake tensors are a subclass, refused above)
+        return BIT_OR_TRACING  # (fake tensors are a subclass, refused above)
     if tensor.requires_grad and _is_cast_of_parameter(tensor):
-        return False
+        return PARAMETER
     if offloads_through_base(tensor, marks):
-        if is_dense(base):
-            return True
-    elif is_dense(tensor):
-        return True
-    _warn_not_dense(tensor)
-    return False
+        return None if is_dense(base) else NOT_DENSE
+    return None if is_dense(tensor) else NOT_DENSE
 
 
 def _warn_not_dense(tensor: torch.Tensor) -> None:

@@ -1,0 +1,178 @@
+"""``python -m cpu_offload.plan``: memory and predicted time of every k, on any machine."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from ..bench.config import DTYPES
+from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
+from .census import ATTENTIONS, measure_layer
+from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
+from .profiles import PROFILES, get_profile, with_flops
+from .schedule_model import Plan, plan_offload
+
+GIB = 2**30
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m cpu_offload.plan",
+        description="Predict activation memory and copy overhead of offloading k layers, "
+        "from the model's shapes (measured on the meta device; nothing is allocated).",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", default=None, help="tiny or llama8b-layer (the default)")
+    source.add_argument("--hf-config", help="a local config.json (or folder), or a cached model")
+    source.add_argument("--gpt", action="store_true", help="a GPT layer (Korthikanti et al.)")
+    parser.add_argument("--hidden", type=int, default=4096, help="--gpt only")
+    parser.add_argument("--heads", type=int, default=32, help="--gpt only")
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None, help="L (default: the model's)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--gpt, HF")
+    parser.add_argument("--attention", choices=ATTENTIONS, default="flash")
+    parser.add_argument("--device", default="h100", help=f"{', '.join(PROFILES)}, or a JSON file")
+    parser.add_argument("--flops", type=float, default=None, help="FLOP/s to assume instead")
+    parser.add_argument("--min-offload-numel", type=int, default=DEFAULT_MIN_OFFLOAD_NUMEL)
+    parser.add_argument("--overhead", type=float, default=0.02, help="allowed step overhead")
+    parser.add_argument("--memory-budget", type=float, default=None, help="GiB of activations")
+    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="also plot memory and overhead per k")
+    return parser.parse_args(argv)
+
+
+def layer_spec(args: argparse.Namespace) -> tuple[LayerSpec, int]:
+    """The layer to measure and the default number of layers."""
+    dtype = DTYPES[args.dtype]
+    if args.hf_config:
+        spec = hf_layer(args.hf_config, args.seq or 4096, args.batch or 1, dtype, args.attention)
+        return spec, spec.num_layers or 1
+    if args.gpt:
+        seq, batch = args.seq or 2048, args.batch or 1
+        return gpt_layer(seq, batch, args.hidden, args.heads, dtype, args.attention), 32
+    spec = preset_layer(args.preset or "llama8b-layer", args.seq, args.batch)
+    return spec, spec.num_layers or 1
+
+
+def print_plan(plan: Plan, description: str) -> None:
+    layer, device = plan.layer, plan.device
+    print(f"layer: {description}")
+    print(
+        f"  saves {layer.saved_bytes / GIB:.3f} GiB, offloads {layer.offloaded_bytes / GIB:.3f} "
+        f"GiB ({layer.tensors_offloaded} copies), keeps {layer.kept_bytes / GIB:.3f} GiB "
+        f"{dict(layer.kept_by_reason)}; attention measured as {layer.attention!r}"
+    )
+    print(
+        f"  {layer.forward_flops / 1e12:.2f} TFLOP forward, {layer.backward_flops / 1e12:.2f} "
+        "TFLOP backward"
+    )
+    print(f"device: {device.name} ({device.source})")
+    print(f"L = {plan.num_layers}; times are PREDICTED by the schedule model")
+    print(
+        f"{'k':>3} {'offloaded/step GiB':>18} {'end of fwd GiB':>14} {'peak GiB':>9} "
+        f"{'exposed ms':>10} {'step ms':>9} {'overhead':>9}"
+    )
+    for row in plan.rows:
+        print(
+            f"{row.k:>3} {row.offloaded_bytes / GIB:>18.3f} "
+            f"{row.end_of_forward_bytes / GIB:>14.3f} {row.peak_bytes / GIB:>9.3f} "
+            f"{row.exposed_copy_s * 1e3:>10.3f} "
+            f"{row.step_s * 1e3:>9.3f} {row.overhead:>9.2%}"
+        )
+    print(f"largest k within {plan.overhead_budget:.1%} overhead: {plan.largest_hidden_k}")
+    if plan.memory_budget is not None:
+        budget = f"{plan.memory_budget / GIB:.2f} GiB"
+        if plan.needs_checkpointing:
+            print(
+                f"no k fits {budget} of activations: offloading alone is not enough; "
+                "checkpoint (recompute) some layers as well"
+            )
+        else:
+            print(f"smallest k that fits {budget} of activations: {plan.smallest_fitting_k}")
+
+
+def to_json(plan: Plan, description: str) -> dict[str, object]:
+    layer = dataclasses.asdict(plan.layer)
+    layer.pop("saved")
+    return {
+        "description": description,
+        "layer": layer,
+        "device": dataclasses.asdict(plan.device),
+        "num_layers": plan.num_layers,
+        "predicted": True,
+        "rows": [
+            {key: value for key, value in dataclasses.asdict(row).items() if key != "log"}
+            for row in plan.rows
+        ],
+        "largest_hidden_k": plan.largest_hidden_k,
+        "overhead_budget": plan.overhead_budget,
+        "memory_budget": plan.memory_budget,
+        "smallest_fitting_k": plan.smallest_fitting_k,
+        "needs_checkpointing": plan.needs_checkpointing,
+    }
+
+
+def write_plot(plan: Plan, path: str) -> str | None:
+    """Activation memory and predicted overhead against k; why not, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]')"
+    ks = [row.k for row in plan.rows]
+    figure, memory = plt.subplots(figsize=(7, 4))
+    memory.plot(ks, [r.peak_bytes / GIB for r in plan.rows], "o-", label="peak activations")
+    memory.set_xlabel("k (layers offloaded)")
+    memory.set_ylabel("GiB")
+    overhead = memory.twinx()
+    overhead.plot(ks, [100 * r.overhead for r in plan.rows], "s--", color="C1")
+    overhead.set_ylabel("predicted overhead, %", color="C1")
+    memory.set_title(f"{plan.device.name}, L = {plan.num_layers} (predicted)")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        spec, default_layers = layer_spec(args)
+        device = with_flops(get_profile(args.device), args.flops)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    profile = measure_layer(
+        spec.make_layer,
+        spec.inputs,
+        kwargs=spec.kwargs,
+        min_offload_numel=args.min_offload_numel,
+        attention=args.attention,
+        description=spec.description,
+    )
+    budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
+    plan = plan_offload(
+        profile,
+        args.layers or default_layers,
+        device,
+        overhead_budget=args.overhead,
+        memory_budget=budget,
+    )
+    print_plan(plan, spec.description)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(to_json(plan, spec.description), file, indent=2)
+    if args.plot:
+        why = write_plot(plan, args.plot)
+        print(f"plot: {why}" if why else f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Layers the planner measures: the benchmark's Llama presets, a GPT layer as in
+Korthikanti et al. 2022 (section 4.1), and a Hugging Face config's own decoder layer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..bench.config import DTYPES, PRESETS
+from ..llama import LlamaConfig, LlamaLayer
+
+__all__ = ["GptLayer", "LayerSpec", "gpt_layer", "hf_layer", "preset_layer"]
+
+
+@dataclass
+class LayerSpec:
+    """A layer to measure: how to build it, its inputs, and what it is."""
+
+    make_layer: Callable[[], nn.Module] | nn.Module
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    description: str
+    num_layers: int | None = None  # of the model it comes from, when known
+
+
+def preset_layer(name: str, seq: int | None = None, batch: int | None = None) -> LayerSpec:
+    """One layer of a benchmark preset (``tiny``, ``llama8b-layer``)."""
+    if name not in PRESETS or name == "hooks":
+        presets = [p for p in PRESETS if p != "hooks"]
+        raise ValueError(f"unknown preset {name!r}: use one of {', '.join(presets)}.")
+    preset: dict[str, Any] = PRESETS[name]
+    config = LlamaConfig(
+        hidden=preset["hidden"], heads=preset["heads"], kv_heads=preset["kv_heads"],
+        ffn=preset["ffn"], layers=1,
+    )  # fmt: skip
+    dtype = DTYPES[preset["dtype"]]
+    seq, batch = seq or preset["seq"], batch or preset["batch"]
+    x = torch.empty(batch, seq, config.hidden, device="meta", dtype=dtype)
+    return LayerSpec(
+        lambda: LlamaLayer(config).to(dtype),
+        (x,),
+        {},
+        f"{name}: hidden {config.hidden}, heads {config.heads}/{config.kv_heads}, ffn "
+        f"{config.ffn}, seq {seq}, batch {batch}, {preset['dtype']}",
+        num_layers=preset["layers"],
+    )
+
+
+class GptLayer(nn.Module):
+    """A GPT layer as Korthikanti et al. 2022 count it (section 4.1): pre-LayerNorm, fused
+    QKV, math attention with softmax dropout, GeLU MLP (4h), dropout after both blocks.
+    Inputs are ``(s, b, h)``.  With ``sdpa=True`` the attention core is one
+    ``scaled_dot_product_attention`` call (with the same dropout), so that a flash-style
+    kernel can be measured in its place."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.1, sdpa: bool = False) -> None:
+        super().__init__()
+        self.heads, self.dropout, self.sdpa = heads, dropout, sdpa
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        s, b, h = t.shape  # -> (b * heads, s, h / heads), its own memory
+        return t.reshape(s, b * self.heads, h // self.heads).transpose(0, 1).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        q, k, v = (self._heads(t) for t in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        if self.sdpa:
+            grouped = (t.view(b, self.heads, s, h // self.heads) for t in (q, k, v))
+            core = F.scaled_dot_product_attention(*grouped, dropout_p=self.dropout)
+            context = core.permute(2, 0, 1, 3).reshape(s, b, h)
+            x = x + F.dropout(self.proj(context), self.dropout, True)
+            return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, True)
+        scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(h // self.heads))
+        probs = F.dropout(torch.softmax(scores, dim=-1), self.dropout, True)
+        context = torch.bmm(probs, v).transpose(0, 1).reshape(s, b, h)
+        x = x + F.dropout(self.proj(context), self.dropout, True)
+        hidden = F.gelu(self.fc1(self.ln2(x)))
+        return x + F.dropout(self.fc2(hidden), self.dropout, True)
+
+
+def gpt_layer(
+    seq: int, batch: int, hidden: int, heads: int, dtype: torch.dtype, attention: str = "math"
+) -> LayerSpec:
+    """A :class:`GptLayer` of these shapes, in ``dtype``; its attention core written out
+    for ``attention="math"``, a ``scaled_dot_product_attention`` call otherwise."""
+    x = torch.empty(seq, batch, hidden, device="meta", dtype=dtype)
+    return LayerSpec(
+        lambda: GptLayer(hidden, heads, sdpa=attention != "math").to(dtype),
+        (x,),
+        {},
+        f"GPT layer (Korthikanti et al.): hidden {hidden}, heads {heads}, seq {seq}, "
+        f"batch {batch}, {dtype}",
+    )
+
+
+def hf_layer(
+    config_source: str, seq: int, batch: int, dtype: torch.dtype, attention: str
+) -> LayerSpec:
+    """The first decoder layer of a Hugging Face model, built from its config alone.
+
+    ``config_source`` is a local ``config.json`` (or its folder), or a model name already
+    in the local cache; nothing is downloaded.  ``attention="math"`` builds the model with
+    ``attn_implementation="eager"``, ``"flash"`` with ``"sdpa"``.  The layer's inputs are
+    captured from a forward of the whole model on the meta device.
+    """
+    import transformers  # the planner's optional host
+    from transformers import masking_utils
+
+    source = (
+        config_source[: -len("config.json")]
+        if config_source.endswith("config.json")
+        else config_source
+    )
+    config = transformers.AutoConfig.from_pretrained(source or ".", local_files_only=True)
+    config._attn_implementation = "eager" if attention == "math" else "sdpa"
+    config.use_cache = False
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from ..layer_hooks import find_layers
+
+    layer = find_layers(model)[0]
+    captured: dict[str, Any] = {}
+
+    def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured.update(args=args, kwargs=kwargs)
+        raise _Captured
+
+    hook = layer.register_forward_pre_hook(capture, with_kwargs=True)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    # Looking for packed sequences reads position ids' values, which meta tensors lack;
+    # a plan is for unpacked sequences.
+    unpacked = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda ids: None)
+    try:
+        with torch.no_grad(), unpacked:
+            model(input_ids=ids)
+    except _Captured:
+        pass
+    finally:
+        hook.remove()
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in captured["args"])
+    return LayerSpec(
+        layer,
+        args,
+        captured["kwargs"],
+        f"{type(layer).__name__} from {config_source}: hidden {config.hidden_size}, seq {seq}, "
+        f"batch {batch}, {dtype}, attn_implementation {config._attn_implementation}",
+        num_layers=config.num_hidden_layers,
+    )
+
+
+class _Captured(Exception):
+    """Stops the model's forward once the first layer's inputs are known."""

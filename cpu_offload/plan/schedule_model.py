@@ -1,0 +1,213 @@
+"""An event model of the default schedule, and the plan it gives for every k.
+
+Two clocks, as on the device: the compute stream runs each layer's forward and backward
+(FLOPs over the profile's rate); the offload stream runs the copies one after another at
+the link's bandwidth.  The model takes the steps of :class:`DefaultOffloadSynchronizer`
+where the code takes them:
+
+- forward of layer ``j``: the offload of layer ``j - 1`` starts (after the compute stream
+  reached this point); layer ``i`` is released when ``j == L - k + i``, and the release
+  makes the compute stream wait for that copy;
+- backward of layer ``j``: the layer above is released; the reload of layer ``i`` starts
+  when ``j == L - 1 - k + i`` (after the compute stream reached this point; its device
+  memory is allocated then); layer ``j``'s first pop makes the compute stream wait for
+  its reload;
+- end of backward: the last layer is released.
+
+Every time it gives is a prediction.  Memory is the layers' saved activations only
+(parameters, gradients and optimizer state come on top).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .census import LayerProfile
+from .profiles import DeviceProfile, get_profile
+
+__all__ = ["Plan", "PlanRow", "plan_offload", "simulate"]
+
+
+@dataclass
+class PlanRow:
+    """The prediction for one k (times in seconds, memory in bytes).
+
+    Attributes:
+        k: layers offloaded.
+        end_of_forward_bytes: saved activations on the device when the forward ends.
+        peak_bytes: the most saved activations on the device at any step.
+        offloaded_bytes: bytes copied to the host per step (and back).
+        exposed_copy_s: time the compute stream waits for copies.
+        step_s: forward plus backward, waits included.
+        overhead: ``step_s`` over the step without offload, minus one.
+        log: ``(step, action, activations on the device after it)`` per step.
+    """
+
+    k: int
+    end_of_forward_bytes: int
+    peak_bytes: int
+    offloaded_bytes: int
+    exposed_copy_s: float
+    step_s: float
+    overhead: float
+    log: list[tuple[str, str, int]] = field(default_factory=list, repr=False)
+
+
+def simulate(
+    num_layers: int,
+    k: int,
+    *,
+    saved_bytes: int,
+    offloaded_bytes: int,
+    kept_bytes: int,
+    forward_s: float,
+    backward_s: float,
+    d2h_bytes_per_s: float,
+    h2d_bytes_per_s: float,
+) -> PlanRow:
+    """Run the default schedule of ``k`` of ``num_layers`` identical layers."""
+    if not 0 <= k <= num_layers - 1:
+        raise ValueError(f"simulate: k must be in [0, {num_layers - 1}], got {k}.")
+    L = num_layers
+    compute = copies = waited = 0.0
+    resident = [0] * L  # each layer's saved bytes on the device
+    copy_done: dict[int, float] = {}
+    reload_done: dict[int, float] = {}
+    log: list[tuple[str, str, int]] = []
+    peak = 0
+
+    def wait_for(done: float) -> None:
+        nonlocal compute, waited
+        if done > compute:
+            waited += done - compute
+            compute = done
+
+    def note(step: str, actions: list[str]) -> None:
+        nonlocal peak
+        total = sum(resident)
+        peak = max(peak, total)
+        log.append((step, "; ".join(actions) or "-", total))
+
+    for j in range(L):
+        actions = []
+        if 1 <= j and j - 1 < k:
+            start = max(copies, compute)
+            copies = copy_done[j - 1] = start + offloaded_bytes / d2h_bytes_per_s
+            actions.append(f"start offload {j - 1}")
+        i = j - (L - k)
+        if 0 <= i < k:
+            wait_for(copy_done[i])
+            resident[i] = kept_bytes
+            actions.append(f"release {i}")
+        compute += forward_s
+        resident[j] = saved_bytes
+        note(f"fwd {j}", actions)
+    end_of_forward = sum(resident)
+    for j in reversed(range(L)):
+        actions = []
+        if j + 1 < L:
+            resident[j + 1] = 0
+            actions.append(f"release {j + 1}")
+        i = j - (L - 1 - k)
+        if 0 <= i < k:
+            start = max(copies, compute)
+            copies = reload_done[i] = start + offloaded_bytes / h2d_bytes_per_s
+            resident[i] += offloaded_bytes
+            actions.append(f"start reload {i}")
+        if j < k:
+            wait_for(reload_done[j])
+        compute += backward_s
+        note(f"bwd {j}", actions)
+    resident[0] = 0
+    note("end", ["release 0"])
+    baseline = L * (forward_s + backward_s)
+    return PlanRow(
+        k=k,
+        end_of_forward_bytes=end_of_forward,
+        peak_bytes=peak,
+        offloaded_bytes=k * offloaded_bytes,
+        exposed_copy_s=waited,
+        step_s=baseline + waited,  # the compute stream's clock, without rounding
+        overhead=waited / baseline if baseline > 0 else 0.0,
+        log=log,
+    )
+
+
+@dataclass
+class Plan:
+    """Predictions for every k, and the answers drawn from them.
+
+    Attributes:
+        layer: the measured layer.
+        device: the device profile.
+        num_layers: ``L``.
+        rows: one :class:`PlanRow` per k = 0 .. L - 1.
+        overhead_budget: the step overhead allowed (a fraction).
+        memory_budget: the activation memory allowed, in bytes, or None.
+    """
+
+    layer: LayerProfile
+    device: DeviceProfile
+    num_layers: int
+    rows: list[PlanRow]
+    overhead_budget: float
+    memory_budget: int | None
+
+    @property
+    def largest_hidden_k(self) -> int:
+        """The largest k whose predicted overhead stays within the budget."""
+        return max(row.k for row in self.rows if row.overhead <= self.overhead_budget)
+
+    @property
+    def smallest_fitting_k(self) -> int | None:
+        """The smallest k whose peak activation memory fits the budget (None: none fits,
+        or no budget was given)."""
+        if self.memory_budget is None:
+            return None
+        fitting = [row.k for row in self.rows if row.peak_bytes <= self.memory_budget]
+        return min(fitting) if fitting else None
+
+    @property
+    def needs_checkpointing(self) -> bool:
+        """A memory budget was given and not even k = L - 1 meets it: offloading alone
+        cannot fit; recompute (activation checkpointing) some layers."""
+        return self.memory_budget is not None and self.smallest_fitting_k is None
+
+
+def plan_offload(
+    layer: LayerProfile,
+    num_layers: int,
+    device: str | DeviceProfile = "h100",
+    *,
+    overhead_budget: float = 0.02,
+    memory_budget: int | None = None,
+) -> Plan:
+    """Predict memory and time of offloading k of ``num_layers`` copies of ``layer``.
+
+    Args:
+        layer: from :func:`~cpu_offload.plan.measure_layer`.
+        num_layers: ``L``, the layers of the stack (all like ``layer``).
+        device: a built-in profile name (``"h100"``, ``"h200"``, ``"a100"``,
+            ``"gh200"``, ``"910b"``), a JSON file of ``python -m cpu_offload.check``,
+            or a :class:`DeviceProfile`.
+        overhead_budget: the step overhead the answer may cost (0.02: 2%).
+        memory_budget: bytes of saved activations that must fit, or None.
+    """
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"plan_offload: num_layers must be a positive int, got {num_layers!r}.")
+    profile = get_profile(device)
+    rows = [
+        simulate(
+            num_layers,
+            k,
+            saved_bytes=layer.saved_bytes,
+            offloaded_bytes=layer.offloaded_bytes,
+            kept_bytes=layer.kept_bytes,
+            forward_s=layer.forward_flops / profile.flops_per_s,
+            backward_s=layer.backward_flops / profile.flops_per_s,
+            d2h_bytes_per_s=profile.d2h,
+            h2d_bytes_per_s=profile.h2d,
+        )
+        for k in range(num_layers)
+    ]
+    return Plan(layer, profile, num_layers, rows, overhead_budget, memory_budget)

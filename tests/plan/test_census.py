@@ -1,0 +1,128 @@
+"""measure_layer against real runs (bytes for bytes) and against Korthikanti et al. 2022."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hosts import require
+
+from cpu_offload import offload_layers
+from cpu_offload.llama import Llama, LlamaConfig
+from cpu_offload.plan import measure_layer
+from cpu_offload.plan.layers import gpt_layer, hf_layer, preset_layer
+
+THRESHOLDS = [0, 2**15, 2**18]
+
+
+def real_stats(model, k, min_numel, step):
+    handle = offload_layers(model, k, min_offload_numel=min_numel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # k = L - 1 warns that copies cannot overlap
+        step()
+    stats = handle.offload_synchronizer.stats
+    handle.remove()
+    return stats.bytes_offloaded, stats.tensors_offloaded
+
+
+@pytest.mark.parametrize("min_numel", THRESHOLDS)
+def test_tiny_preset_plans_the_bytes_a_real_run_moves_for_every_k(min_numel):
+    spec = preset_layer("tiny")
+    layer = measure_layer(
+        spec.make_layer, spec.inputs, min_offload_numel=min_numel, attention="cpu"
+    )
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(hidden=256, heads=4, kv_heads=2, ffn=688, layers=4))
+    tokens = torch.randint(0, 1024, (2, 513))  # the preset's batch 2, seq 512
+    for k in range(1, 4):
+        moved = real_stats(model, k, min_numel, lambda: model.loss(tokens).backward())
+        assert moved == (k * layer.offloaded_bytes, k * layer.tensors_offloaded), k
+    assert layer.saved_bytes >= layer.offloaded_bytes > 0
+    assert (layer.kept_bytes > 0) == (min_numel > 0)  # small tensors stay above 0
+
+
+@pytest.mark.parametrize("min_numel", [0, 2**16])
+def test_hugging_face_config_plans_the_bytes_a_real_run_moves(tmp_path, min_numel):
+    transformers = require("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    config.save_pretrained(tmp_path)
+    spec = hf_layer(str(tmp_path / "config.json"), 256, 2, torch.float32, "cpu")
+    assert spec.num_layers == 4 and "LlamaDecoderLayer" in spec.description
+    layer = measure_layer(
+        spec.make_layer,
+        spec.inputs,
+        kwargs=spec.kwargs,
+        min_offload_numel=min_numel,
+        attention="cpu",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 256))
+    for k in range(1, 4):
+        moved = real_stats(
+            model, k, min_numel, lambda: model(input_ids=ids, labels=ids).loss.backward()
+        )
+        assert moved == (k * layer.offloaded_bytes, k * layer.tensors_offloaded), k
+
+
+def korthikanti(s, b, h, a, attention_term=True):
+    """Bytes per layer, Korthikanti et al. 2022, section 4.1."""
+    return s * b * h * (34 + (5 * a * s / h if attention_term else 0))
+
+
+SHAPES = [(2048, 4, 1024, 16), (4096, 1, 4096, 32), (1024, 8, 2048, 16)]
+
+
+@pytest.mark.parametrize("s, b, h, a", SHAPES)
+def test_gpt_layer_saves_what_korthikanti_et_al_count(s, b, h, a):
+    spec = gpt_layer(s, b, h, a, torch.bfloat16, "math")
+    layer = measure_layer(spec.make_layer, spec.inputs, min_offload_numel=0, attention="math")
+    assert layer.saved_bytes == pytest.approx(korthikanti(s, b, h, a), rel=0.02)
+
+
+@pytest.mark.parametrize("s, b, h, a", SHAPES)
+def test_flash_attention_removes_the_quadratic_term(s, b, h, a):
+    """Without the s x s probabilities, what is left is the paper's 34 s b h plus the
+    attention output the flash backward keeps besides the projection's input (2 s b h)."""
+    spec = gpt_layer(s, b, h, a, torch.bfloat16, "flash")
+    layer = measure_layer(spec.make_layer, spec.inputs, min_offload_numel=0, attention="flash")
+    assert layer.saved_bytes == pytest.approx(s * b * h * 36, rel=0.02)
+    longer = gpt_layer(2 * s, b, h, a, torch.bfloat16, "flash")
+    doubled = measure_layer(longer.make_layer, longer.inputs, min_offload_numel=0)
+    assert doubled.saved_bytes == pytest.approx(2 * layer.saved_bytes, rel=0.01)  # linear in s
+
+
+def test_flops_of_a_linear_layer():
+    make = lambda: torch.nn.Linear(512, 1024)  # noqa: E731
+    layer = measure_layer(make, torch.empty(64, 512, device="meta"), min_offload_numel=0)
+    assert layer.forward_flops == 2 * 64 * 512 * 1024
+    assert layer.backward_flops == 2 * layer.forward_flops  # input and weight gradients
+    assert layer.saved_bytes == 64 * 512 * 4  # the input; the weight is a parameter
+
+
+def test_classification_names_why_tensors_stay():
+    spec = preset_layer("tiny")
+    layer = measure_layer(spec.make_layer, spec.inputs, min_offload_numel=2**18, attention="cpu")
+    assert set(layer.kept_by_reason) == {"small"}
+    reasons = {reason for _, _, reason in layer.saved}
+    assert reasons == {"offloaded", "small", "parameter"}
+
+
+def test_inputs_must_be_meta_tensors():
+    with pytest.raises(ValueError, match="example input 0 is on cpu; pass meta tensors"):
+        measure_layer(lambda: torch.nn.Linear(4, 4), torch.randn(2, 4))
+
+
+def test_unknown_attention_is_refused():
+    with pytest.raises(ValueError, match=r"attention must be one of \('flash', 'cpu', 'math'\)"):
+        measure_layer(
+            lambda: torch.nn.Linear(4, 4), torch.empty(2, 4, device="meta"), attention="x"
+        )
