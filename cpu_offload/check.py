@@ -30,7 +30,7 @@ from torch import nn
 from .context import get_cpu_offload_context
 from .copy_timer import CopyTimer
 from .device import DeviceBackend, device_name, get_backend
-from .gpt import Block, GPTConfig
+from .models.gpt import Block
 
 __all__ = ["CheckResult", "main", "run_checks"]
 
@@ -70,8 +70,7 @@ def _shape(backend: DeviceBackend) -> _Shape:
 
 def _stack(shape: _Shape, device: torch.device, make: Callable[[], nn.Module] | None = None):
     torch.manual_seed(0)
-    config = GPTConfig(hidden=shape.hidden, heads=shape.heads, layers=LAYERS, seq=shape.seq)
-    make = make or (lambda: Block(config))
+    make = make or (lambda: Block(shape.hidden, shape.heads))
     return nn.ModuleList(make() for _ in range(LAYERS)).to(device, shape.dtype)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .context import get_cpu_offload_context
 from .device import DeviceBackend, get_backend
-from .gpt import GPT, GPTConfig
+from .models.gpt import GPT, GPTConfig
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
 __all__ = ["RunResult", "main", "run"]

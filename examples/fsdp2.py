@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from cpu_offload import offload_layers
-from cpu_offload.llama import Llama, LlamaConfig
+from cpu_offload.models.llama import Llama, LlamaConfig
 
 CONFIG = LlamaConfig(hidden=64, heads=4, kv_heads=2, ffn=96, layers=4, vocab=128)
 ORDERS = ("offload-then-shard", "shard-then-offload")

@@ -21,7 +21,7 @@ from torch import nn
 
 from cpu_offload import get_cpu_offload_context
 from cpu_offload.device import get_backend
-from cpu_offload.llama import LlamaConfig, LlamaLayer
+from cpu_offload.models.llama import LlamaConfig, LlamaLayer
 
 
 @dataclass

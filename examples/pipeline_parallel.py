@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 
 from cpu_offload import offload_layers
 from cpu_offload.device import distributed_setup
-from cpu_offload.llama import LlamaConfig, LlamaLayer
+from cpu_offload.models.llama import LlamaConfig, LlamaLayer
 
 CONFIG = LlamaConfig(hidden=64, heads=4, kv_heads=2, ffn=128, layers=0, vocab=128)
 

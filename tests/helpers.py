@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_offload import OffloadableLayerState, get_cpu_offload_context, start_offload
+from cpu_offload import OffloadableLayerState, get_cpu_offload_context
+from cpu_offload.models.gpt import Block
 
 
 class MLPBlock(nn.Module):
@@ -22,34 +23,12 @@ class MLPBlock(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm layer: LayerNorm, causal SDPA attention, LayerNorm, GELU MLP."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.mlp = MLPBlock(width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        start_offload(q, k, v, offload_base_tensor=True)  # one copy of the qkv output
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(batch, seq, width))
-        return self.mlp(self.norm2(x))
-
-
 def make_layers(kind: str, num_layers: int, width: int, dtype: torch.dtype) -> nn.ModuleList:
     torch.manual_seed(0)
     if kind == "mlp":
         layers = [MLPBlock(width) for _ in range(num_layers)]
     else:
-        layers = [TransformerLayer(width, heads=4) for _ in range(num_layers)]
+        layers = [Block(width, heads=4) for _ in range(num_layers)]
     return nn.ModuleList(layers).to(dtype)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ..device import device_name, get_backend
-from ..llama import LlamaConfig, LlamaLayer
+from ..models.llama import LlamaConfig, LlamaLayer
 from .config import DTYPES, BenchConfig, parse_args
 from .hooks import measure_hook_costs, print_hook_costs
 from .measure import ModeResult, measure_ceiling, measure_modes

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..bench.config import DTYPES, PRESETS
-from ..llama import LlamaConfig, LlamaLayer
+from ..models.llama import LlamaConfig, LlamaLayer
 
 __all__ = ["GptLayer", "LayerSpec", "gpt_layer", "hf_layer", "preset_layer"]
 

@@ -14,7 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import offload_layers
-from cpu_offload.llama import Llama, LlamaConfig
+from cpu_offload.models.llama import Llama, LlamaConfig
 
 pytestmark = pytest.mark.usefixtures("streams")
 

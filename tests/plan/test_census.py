@@ -9,7 +9,7 @@ import torch
 from hosts import require
 
 from cpu_offload import offload_layers
-from cpu_offload.llama import Llama, LlamaConfig
+from cpu_offload.models.llama import Llama, LlamaConfig
 from cpu_offload.plan import measure_layer
 from cpu_offload.plan.layers import gpt_layer, hf_layer, preset_layer
 

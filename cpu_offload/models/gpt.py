@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .context import start_offload
+from ..context import start_offload
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "Block", "GPTConfig"]
 
 
 @dataclass
@@ -25,17 +25,17 @@ class GPTConfig:
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: causal self-attention and a GELU MLP."""
+    """Pre-norm decoder layer: causal self-attention and a GELU MLP, on ``(b, s, hidden)``."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
-        self.heads = config.heads
-        self.norm1 = nn.LayerNorm(config.hidden)
-        self.qkv = nn.Linear(config.hidden, 3 * config.hidden)
-        self.proj = nn.Linear(config.hidden, config.hidden)
-        self.norm2 = nn.LayerNorm(config.hidden)
-        self.up = nn.Linear(config.hidden, 4 * config.hidden)
-        self.down = nn.Linear(4 * config.hidden, config.hidden)
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape
@@ -56,7 +56,9 @@ class GPT(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab, config.hidden)
         self.pos = nn.Parameter(torch.zeros(config.seq, config.hidden))
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(
+            Block(config.hidden, config.heads) for _ in range(config.layers)
+        )
         self.norm = nn.LayerNorm(config.hidden)
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
 
