@@ -40,6 +40,12 @@ def test_demo_prints_table_and_matches(capsys):
     assert all(row.rstrip().endswith("yes") for row in rows)
     offloaded = [float(row.split()[2]) for row in rows]
     assert offloaded[0] == 0 and 0 < offloaded[1] < offloaded[2]
+    # The CPU reports no memory: the planner's activations, less what really moved.
+    planned = [float(row.split()[3]) for row in rows]
+    assert all(row.split()[4] == "(planned)" for row in rows)
+    for moved, left in zip(offloaded, planned):
+        assert left == pytest.approx(planned[0] - moved, abs=0.02)
+    assert "on a GPU this table shows the measured peak" in out
 
 
 def test_demo_rejects_single_layer():

@@ -6,13 +6,11 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
+from ..models import DTYPES
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
 __all__ = ["DTYPES", "PRESETS", "BenchConfig", "parse_args"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 PRESETS: dict[str, dict[str, object]] = {
     # CPU smoke run, well under a minute on 2 cores.

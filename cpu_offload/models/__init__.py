@@ -4,3 +4,12 @@ examples and the tests; not part of the offloader.
 - :mod:`cpu_offload.models.gpt`: a GPT-style stack of pre-norm blocks (``Block``).
 - :mod:`cpu_offload.models.llama`: a Llama-style stack (RMSNorm, RoPE, GQA, SwiGLU).
 """
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DTYPES"]
+
+#: the dtypes the commands (demo, benchmark, planner) accept, by name
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ..bench.config import DTYPES
+from ..models import DTYPES
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .census import ATTENTIONS, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer

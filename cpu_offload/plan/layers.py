@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..bench.config import DTYPES, PRESETS
+from ..bench.config import PRESETS
+from ..models import DTYPES
 from ..models.llama import LlamaConfig, LlamaLayer
 
 __all__ = ["GptLayer", "LayerSpec", "gpt_layer", "hf_layer", "preset_layer"]
