@@ -11,8 +11,8 @@ The public API mirrors TransformerEngine's ``get_cpu_offload_context``::
 
 from __future__ import annotations
 
+from . import testing
 from .context import (
-    OffloadContext,
     get_cpu_offload_context,
     is_cpu_offload_enabled,
     mark_activation_offload,
@@ -20,39 +20,30 @@ from .context import (
     start_offload,
 )
 from .errors import CpuOffloadError, OffloadStateError
-from .forward_pass import ForwardPass
 from .layer_hooks import OffloadLayersHandle, offload_layers
 from .layer_state import LayerState, OffloadableLayerState
-from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .stats import OffloadStats
-from .synchronizer import (
-    DefaultOffloadSynchronizer,
-    ManualOffloadSynchronizer,
-    OffloadSynchronizer,
-)
-from .tensor_group import TensorGroup, TensorGroupProcessor
+from .synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
 
 __version__ = "0.1.0"
 
+#: The stable names: TransformerEngine's functions and classes (as TE's own callers use
+#: them), offload_layers, the layer states, the statistics, the errors and the testing
+#: tools.  Everything else is importable from its module and may change.
 __all__ = [
-    "DEFAULT_MIN_OFFLOAD_NUMEL",
     "CpuOffloadError",
     "DefaultOffloadSynchronizer",
-    "ForwardPass",
     "LayerState",
     "ManualOffloadSynchronizer",
-    "OffloadContext",
-    "OffloadSynchronizer",
-    "OffloadStateError",
     "OffloadLayersHandle",
+    "OffloadStateError",
     "OffloadStats",
     "OffloadableLayerState",
-    "TensorGroup",
-    "TensorGroupProcessor",
     "get_cpu_offload_context",
     "is_cpu_offload_enabled",
     "mark_activation_offload",
     "mark_not_offload",
     "offload_layers",
     "start_offload",
+    "testing",
 ]

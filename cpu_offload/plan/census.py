@@ -4,7 +4,7 @@
 runs its forward and backward on meta inputs (nothing is allocated), records every
 tensor autograd saves through saved-tensor hooks, and classifies each with the
 offloader's own rules (:func:`cpu_offload.selection.kept_because`, the view-to-base and
-deduplication of :class:`cpu_offload.TensorGroupProcessor`), so that the bytes it
+deduplication of :class:`cpu_offload.tensor_group.TensorGroupProcessor`), so that the bytes it
 reports as offloaded are the bytes a real run's ``stats.bytes_offloaded`` counts.
 """
 

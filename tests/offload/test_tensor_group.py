@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_offload import (
-    OffloadableLayerState,
-    TensorGroup,
-    TensorGroupProcessor,
-    selection,
-    start_offload,
-)
+from cpu_offload import OffloadableLayerState, selection, start_offload
+from cpu_offload.tensor_group import TensorGroup, TensorGroupProcessor
 from cpu_offload.device import get_backend
 
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
