@@ -27,10 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
+
+from .bench.measure import measure_ceiling
 from .context import get_cpu_offload_context
 from .copy_timer import CopyTimer
 from .device import DeviceBackend, device_name, get_backend
 from .models.gpt import Block
+from .testing import strict_runtime
 
 __all__ = ["CheckResult", "main", "run_checks"]
 
@@ -196,7 +200,6 @@ def check_bandwidth(backend: DeviceBackend) -> CheckResult:
     name = "copy bandwidth vs raw pinned copy"
     if backend.device.type == "cpu":
         return CheckResult(name, NOT_RUN, "no host-device link on a CPU-only machine")
-    from .bench.measure import measure_ceiling
 
     shape = _shape(backend)
     layers = _stack(shape, backend.device)
@@ -248,7 +251,6 @@ def check_host_syncs(backend: DeviceBackend) -> CheckResult:
 
 def check_quantized(backend: DeviceBackend, fmt: str) -> CheckResult:
     """Offloaded quantized activations come back bit for bit (gradients torch.equal)."""
-    from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 
     quantizer = {"Float8": Float8Quantizer, "MXFP8": MXFP8Quantizer}[fmt]
     hidden = _shape(backend).hidden
@@ -261,7 +263,6 @@ def check_quantized(backend: DeviceBackend, fmt: str) -> CheckResult:
 
 def check_simulated(flavour: str) -> CheckResult:
     """The accelerator backend on the simulated runtime, every hazard checked (CPU)."""
-    from .testing import strict_runtime
 
     with strict_runtime(flavour):
         result = check_gradients(get_backend("cpu"), "")

@@ -15,7 +15,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from .device import get_backend
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass, _GraphToken
-from .layer_state import has_saving_protocol, unpack_saved
+from .layer_state import decompose, has_saving_protocol, unpack_saved
 from .marks import mark_storage_not_offload, set_mark
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .synchronizer import (
@@ -70,8 +70,7 @@ def _components(tensors: tuple[Any, ...]) -> list[torch.Tensor]:
         if tensor is None:
             continue
         if has_saving_protocol(tensor):
-            saved = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
-            components, obj = saved.prepare_for_saving()
+            components, obj = decompose(tensor)
             found.extend(c for c in components if c is not None)
             obj.restore_from_saved(components)
         elif isinstance(tensor, torch.Tensor):

@@ -19,6 +19,7 @@ from .context import get_cpu_offload_context
 from .device import DeviceBackend, get_backend
 from .models import DTYPES
 from .models.gpt import GPT, Block, GPTConfig
+from .plan import measure_layer, simulate
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
 __all__ = ["RunResult", "main", "run"]
@@ -179,8 +180,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _planned_end_of_forward(args: argparse.Namespace, ks: list[int]) -> dict[int, int]:
     """Saved activations of the blocks at the end of forward, from the planner, per k."""
-    from .plan import measure_layer, simulate
-
     dtype = DTYPES[args.dtype]
     profile = measure_layer(
         lambda: Block(args.hidden, args.heads).to(dtype),

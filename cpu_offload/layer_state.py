@@ -88,6 +88,13 @@ def has_saving_protocol(obj: object) -> bool:
     return callable(getattr(obj, "prepare_for_saving", None))
 
 
+def decompose(obj: Any) -> tuple[list[torch.Tensor | None], Any]:
+    """``obj``'s components and the emptied object that ``restore_from_saved`` refills
+    (a tensor is detached first, as autograd saves it)."""
+    saved = obj.detach() if isinstance(obj, torch.Tensor) else obj
+    return saved.prepare_for_saving()
+
+
 def _modified_error(tensor_desc: str, found: int, expected: int, where: str) -> RuntimeError:
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an "
@@ -279,8 +286,7 @@ class OffloadableLayerState:
         return obj
 
     def _push_decomposed(self, tensor: Any) -> Any:
-        saved = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
-        components, obj = saved.prepare_for_saving()
+        components, obj = decompose(tensor)
         parts = [None if c is None else self.push_tensor(c) for c in components]
         if not any(isinstance(part, _Offloaded) for part in parts):
             # Nothing moved: keep the original object.
@@ -367,15 +373,18 @@ class OffloadableLayerState:
             if ready is not None and id(ready) not in waited:
                 waited.add(id(ready))
                 backend.wait_event(stream, ready)
-        timer = self.copy_timer
-        start = timer.start(stream) if timer is not None else None
-        backend.copy_many(self._host, self._unique.tensor_list, stream, self.name)
-        nbytes = self._host_bytes = sum(h.numel() * h.element_size() for h in self._host)
-        self.stats.tensors_offloaded += len(self._host)
-        self.stats.bytes_offloaded += nbytes
-        if timer is not None:
-            timer.stop("d2h", nbytes, start, stream)
+        self._host_bytes = sum(h.numel() * h.element_size() for h in self._host)
+        self._copy("d2h", self._host, self._unique.tensor_list)
         self._in_flight = [backend.record_event(stream)]
+
+    def _copy(self, direction: str, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """The layer's copies in one direction on the offload stream: timed, counted."""
+        stream, timer = self.offload_stream, self.copy_timer
+        start = timer.start(stream) if timer is not None else None
+        self.backend.copy_many(dsts, srcs, stream, self.name)
+        self.stats.count(direction, len(dsts), self._host_bytes)
+        if timer is not None:
+            timer.stop(direction, self._host_bytes, start, stream)
 
     def _note_modified(self) -> None:
         """Record tensors modified in place since their push; their copies wait for now.
@@ -408,14 +417,7 @@ class OffloadableLayerState:
         backend, stream = self.backend, self.offload_stream
         targets = [backend.empty_device(host) for host in self._host]
         backend.wait_stream(stream, backend.current_stream())
-        timer = self.copy_timer
-        start = timer.start(stream) if timer is not None else None
-        backend.copy_many(targets, self._host, stream, self.name)
-        nbytes = self._host_bytes
-        self.stats.tensors_reloaded += len(targets)
-        self.stats.bytes_reloaded += nbytes
-        if timer is not None:
-            timer.stop("h2d", nbytes, start, stream)
+        self._copy("h2d", targets, self._host)
         # One event for the layer: its first pop waits for every copy.
         event = self._reload_event = backend.record_event(stream)
         self._reload_waited_on = _NOT_WAITED

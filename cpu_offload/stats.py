@@ -26,3 +26,12 @@ class OffloadStats:
     bytes_reloaded: int = 0
     on_demand_reloads: int = 0
     forward_passes: int = 0
+
+    def count(self, direction: str, tensors: int, nbytes: int) -> None:
+        """Add copies of ``direction`` ``"d2h"`` (offload) or ``"h2d"`` (reload)."""
+        if direction == "d2h":
+            self.tensors_offloaded += tensors
+            self.bytes_offloaded += nbytes
+        else:
+            self.tensors_reloaded += tensors
+            self.bytes_reloaded += nbytes

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..bench.config import PRESETS
+from ..layer_hooks import find_layers
 from ..models import DTYPES
 from ..models.llama import LlamaConfig, LlamaLayer
 
@@ -128,8 +129,6 @@ def hf_layer(
     config.use_cache = False
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    from ..layer_hooks import find_layers
-
     layer = find_layers(model)[0]
     captured: dict[str, Any] = {}
 

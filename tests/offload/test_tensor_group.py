@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cpu_offload import OffloadableLayerState, selection, start_offload
-from cpu_offload.tensor_group import TensorGroup, TensorGroupProcessor
 from cpu_offload.device import get_backend
+from cpu_offload.tensor_group import TensorGroup, TensorGroupProcessor
 
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
