@@ -47,6 +47,7 @@ from __future__ import annotations
 import enum
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,7 +61,15 @@ from .selection import DEFAULT_MIN_OFFLOAD_NUMEL, is_offloadable
 from .stats import OffloadStats
 from .tensor_group import TensorGroup, TensorGroupProcessor
 
-__all__ = ["LayerState", "OffloadableLayerState", "has_saving_protocol", "unpack_saved"]
+__all__ = [
+    "TRANSITIONS",
+    "LayerState",
+    "OffloadableLayerState",
+    "Transition",
+    "decompose",
+    "has_saving_protocol",
+    "unpack_saved",
+]
 
 
 class LayerState(enum.Enum):
@@ -72,14 +81,42 @@ class LayerState(enum.Enum):
     RELOAD_STARTED = "reload_started"
 
 
-_FIXES = {
-    "push_tensor": "Tensors can be saved for a layer only before its offload starts; "
-    "start the offload after the layer's forward has finished.",
-    "start_offload": "Call start_offload_layer once per layer and forward pass.",
-    "release_activation_forward_gpu_memory": "Call start_offload_layer(i) before "
-    "release_activation_forward_gpu_memory(i), and only once.",
-    "start_reload": "Call start_reload_layer(i) once, after "
-    "release_activation_forward_gpu_memory(i).",
+@dataclass(frozen=True)
+class Transition:
+    """One guarded operation of the state machine."""
+
+    needs: LayerState
+    leads_to: LayerState
+    advice: str  # the likely fix, shown when the state is not ``needs``
+
+
+#: The state machine in one place: per operation, the state it needs, the state it
+#: leads to, and the advice when it is called in another state.  ``release_all_memory``
+#: is allowed from every state (to NOT_OFFLOADED, or OFFLOAD_FINISHED while the graph
+#: may still unpack the layer).
+TRANSITIONS = {
+    "push_tensor": Transition(
+        LayerState.NOT_OFFLOADED,
+        LayerState.NOT_OFFLOADED,
+        "Tensors can be saved for a layer only before its offload starts; start the "
+        "offload after the layer's forward has finished.",
+    ),
+    "start_offload": Transition(
+        LayerState.NOT_OFFLOADED,
+        LayerState.OFFLOAD_STARTED,
+        "Call start_offload_layer once per layer and forward pass.",
+    ),
+    "release_activation_forward_gpu_memory": Transition(
+        LayerState.OFFLOAD_STARTED,
+        LayerState.OFFLOAD_FINISHED,
+        "Call start_offload_layer(i) before release_activation_forward_gpu_memory(i), "
+        "and only once.",
+    ),
+    "start_reload": Transition(
+        LayerState.OFFLOAD_FINISHED,
+        LayerState.RELOAD_STARTED,
+        "Call start_reload_layer(i) once, after release_activation_forward_gpu_memory(i).",
+    ),
 }
 
 
@@ -233,14 +270,16 @@ class OffloadableLayerState:
 
     # ---------------------------------------------------------------- guards
 
-    def _require(self, operation: str, *allowed: LayerState) -> None:
-        if self.state not in allowed:
-            names = ", ".join(state.name for state in allowed)
+    def _transition(self, operation: str) -> None:
+        """Check ``operation`` against :data:`TRANSITIONS` and take it."""
+        transition = TRANSITIONS[operation]
+        if self.state is not transition.needs:
             raise OffloadStateError(
                 f"cpu_offload: cannot {operation} for {self.name}: its state is "
-                f"{self.state.name}, but {operation} needs one of: {names}. "
-                f"{_FIXES.get(operation, '')}".rstrip()
+                f"{self.state.name}, but {operation} needs {transition.needs.name}. "
+                f"{transition.advice}"
             )
+        self.state = transition.leads_to
 
     # ------------------------------------------------------------- push / pop
 
@@ -252,7 +291,7 @@ class OffloadableLayerState:
         if self._backward_done:
             self._start_new_cycle()
         if self.state is not LayerState.NOT_OFFLOADED:
-            self._require("push_tensor", LayerState.NOT_OFFLOADED)
+            self._transition("push_tensor")  # raises
         kind = type(tensor)
         if kind is not torch.Tensor:
             return _Kept(tensor, self) if kind is torch.nn.Parameter else self._push_other(tensor)
@@ -357,8 +396,7 @@ class OffloadableLayerState:
     @torch.no_grad()  # a copy must not enter the graph: a host buffer would keep it alive
     def start_offload(self) -> None:
         """Queue device-to-host copies of the layer's tensors on the offload stream."""
-        self._require("start_offload", LayerState.NOT_OFFLOADED)
-        self.state = LayerState.OFFLOAD_STARTED
+        self._transition("start_offload")
         if not self._pushed.tensor_list:
             return
         self._note_modified()
@@ -400,8 +438,7 @@ class OffloadableLayerState:
 
     def release_activation_forward_gpu_memory(self) -> None:
         """Drop the device copies once the offload has read them."""
-        self._require("release_activation_forward_gpu_memory", LayerState.OFFLOAD_STARTED)
-        self.state = LayerState.OFFLOAD_FINISHED
+        self._transition("release_activation_forward_gpu_memory")
         self._wait_for_copies()
         self._pushed = TensorGroup()
         self._unique = TensorGroup(aux=self._unique.aux)
@@ -409,8 +446,7 @@ class OffloadableLayerState:
     @torch.no_grad()
     def start_reload(self) -> None:
         """Queue host-to-device copies on the offload stream, one event for the layer."""
-        self._require("start_reload", LayerState.OFFLOAD_FINISHED)
-        self.state = LayerState.RELOAD_STARTED
+        self._transition("start_reload")
         if not self._host:
             self._reloaded = TensorGroup()
             return

@@ -8,7 +8,7 @@ import torch
 from cpu_offload import LayerState, OffloadableLayerState, OffloadStateError
 from cpu_offload.device import get_backend
 from cpu_offload.host_buffers import HostBufferPool
-from cpu_offload.layer_state import unpack_saved
+from cpu_offload.layer_state import TRANSITIONS, unpack_saved
 
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
@@ -115,8 +115,20 @@ def test_illegal_transition_raises(streams, operation, reached):
         getattr(state, operation)(*args)
     message = str(info.value)
     assert "layer 3" in message and reached.name in message
-    assert operation in message and "needs one of" in message
+    transition = TRANSITIONS[operation]
+    assert f"{operation} needs {transition.needs.name}" in message
+    assert transition.advice in message
     assert state.state is reached  # nothing changed
+
+
+def test_the_transition_table_is_the_state_machine(streams):
+    """Every legal step leads where the table says."""
+    state = make_state()
+    state.push_tensor(torch.randn(64, 8))
+    for operation in ("start_offload", "release_activation_forward_gpu_memory", "start_reload"):
+        assert state.state is TRANSITIONS[operation].needs
+        getattr(state, operation)()
+        assert state.state is TRANSITIONS[operation].leads_to
 
 
 def test_copies_stay_out_of_the_autograd_graph(streams):
