@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
+from .storage import Component
 from .tensor import QuantizedTensor
 
 __all__ = ["FP8_DTYPES", "Float8Quantizer", "Float8Tensor", "finite_amax"]
@@ -30,10 +29,13 @@ class Float8Tensor(QuantizedTensor):
     flattened), for the matmuls of backward. Components in saving order:
     ``[data, transpose, scale_inv]``."""
 
-    component_names: ClassVar[tuple[str, ...]] = ("_data", "_transpose", "_scale_inv")
+    _data: Component
+    _transpose: Component
+    _scale_inv: Component
+    fp8_dtype: torch.dtype
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self._data is None:
+        if self._data is None or self._scale_inv is None:
             raise RuntimeError("Float8Tensor: the data was handed over by prepare_for_saving.")
         value = self._data.float() * self._scale_inv
         return value.to(dtype or self.dtype)
@@ -73,7 +75,7 @@ class Float8Quantizer:
         return Float8Tensor(
             shape=x.shape,
             dtype=x.dtype,
-            meta={"fp8_dtype": self.fp8_dtype},
+            fp8_dtype=self.fp8_dtype,
             _data=data,
             _transpose=transpose,
             # torch.div rounds correctly; 1.0 / scale would go through reciprocal().

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from .float8 import check_fp8_dtype, finite_amax
+from .storage import Component
 from .tensor import QuantizedTensor
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor"]
@@ -48,23 +47,23 @@ class MXFP8Tensor(QuantizedTensor):
     dimensions, stored transposed). Components in saving order: ``[rowwise_data,
     columnwise_data, rowwise_scale_inv, columnwise_scale_inv]``."""
 
-    component_names: ClassVar[tuple[str, ...]] = (
-        "_rowwise_data",
-        "_columnwise_data",
-        "_rowwise_scale_inv",
-        "_columnwise_scale_inv",
-    )
+    _rowwise_data: Component
+    _columnwise_data: Component
+    _rowwise_scale_inv: Component
+    _columnwise_scale_inv: Component
+    fp8_dtype: torch.dtype
+    block_size: int
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        block = self.meta["block_size"]
+        block = self.block_size
         last = self.shape[-1]
-        if self._rowwise_data is not None:
+        if self._rowwise_data is not None and self._rowwise_scale_inv is not None:
             value = _dequantize_rows(
                 self._rowwise_data.reshape(-1, last),
                 self._rowwise_scale_inv.reshape(-1, last // block),
                 block,
             )
-        elif self._columnwise_data is not None:
+        elif self._columnwise_data is not None and self._columnwise_scale_inv is not None:
             value = _dequantize_rows(self._columnwise_data, self._columnwise_scale_inv, block).t()
         else:
             raise RuntimeError("MXFP8Tensor: the data was handed over by prepare_for_saving.")
@@ -124,7 +123,8 @@ class MXFP8Quantizer:
         return MXFP8Tensor(
             shape=x.shape,
             dtype=x.dtype,
-            meta={"fp8_dtype": self.fp8_dtype, "block_size": self.block_size},
+            fp8_dtype=self.fp8_dtype,
+            block_size=self.block_size,
             _rowwise_data=rowwise.reshape(x.shape),
             _columnwise_data=columnwise,
             _rowwise_scale_inv=rowwise_scale.reshape(*x.shape[:-1], -1),

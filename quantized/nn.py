@@ -35,7 +35,7 @@ def _fp8_matmul(qx: Float8Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _use_scaled_mm(qx: QuantizedTensor, weight: torch.Tensor) -> bool:
     return (
         isinstance(qx, Float8Tensor)
-        and qx.meta["fp8_dtype"] == torch.float8_e4m3fn
+        and qx.fp8_dtype == torch.float8_e4m3fn
         and qx.dtype in (torch.bfloat16, torch.float16)
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 16 == 0

@@ -3,22 +3,50 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
-__all__ = ["QuantizedTensorStorage", "prepare_for_saving", "restore_from_saved"]
+__all__ = ["Component", "QuantizedTensorStorage", "prepare_for_saving", "restore_from_saved"]
+
+#: the annotation of a component tensor (``None`` once handed over for saving)
+Component = Optional[torch.Tensor]  # noqa: UP045 - the name is what marks a component
+
+
+def _fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The components (annotated ``Component``) and the other typed attributes of
+    ``cls`` and its bases, in declaration order, bases first."""
+    components: list[str] = []
+    attributes: list[str] = []
+    for klass in reversed(cls.__mro__):
+        if not issubclass(klass, QuantizedTensorStorage):
+            continue  # torch.Tensor's own annotations are not fields
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            text = annotation if isinstance(annotation, str) else repr(annotation)
+            if text.startswith(("ClassVar", "typing.ClassVar")) or name.startswith("__"):
+                continue
+            target = components if annotation in ("Component", Component) else attributes
+            if name not in components and name not in attributes:
+                target.append(name)
+    return tuple(components), tuple(attributes)
 
 
 class QuantizedTensorStorage:
     """Component tensors of a quantized value, as a plain object.
 
-    Subclasses name their components in ``component_names``, in saving order, and
-    implement :meth:`dequantize`. Metadata that is not a tensor (shape, dtype, format)
-    stays on the object across :meth:`prepare_for_saving`/:meth:`restore_from_saved`.
+    Subclasses declare their components as attributes annotated ``Component``, in
+    saving order, and their format metadata as other typed attributes (``fp8_dtype:
+    torch.dtype``); :attr:`component_names` and :attr:`attribute_names` are derived from
+    the class. They implement :meth:`dequantize`.  Metadata stays on the object across
+    :meth:`prepare_for_saving`/:meth:`restore_from_saved`.
     """
 
     component_names: ClassVar[tuple[str, ...]] = ()
+    attribute_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.component_names, cls.attribute_names = _fields(cls)
 
     def get_data_tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The components, in saving order (``None`` for an absent one)."""

@@ -23,25 +23,33 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):
     hold an arbitrary new value.  Any other op dequantizes its quantized arguments and
     runs on plain tensors.
 
-    Subclasses set ``component_names`` and implement :meth:`dequantize`; their
-    constructor takes the components as keyword arguments plus ``shape``, ``dtype``
-    and ``meta`` (format metadata, a dict).
+    Subclasses declare their components (annotated ``Component``) and typed metadata
+    attributes, and implement :meth:`dequantize`; the constructor takes ``shape``,
+    ``dtype`` and every declared field as keyword arguments (an absent component is
+    ``None``).
     """
 
-    meta: dict[str, Any]
-
     @staticmethod
-    def __new__(
-        cls, *, shape: torch.Size, dtype: torch.dtype, meta: dict[str, Any], **components: Any
-    ) -> QuantizedTensor:
-        first = next(t for t in components.values() if t is not None)
+    def __new__(cls, *, shape: torch.Size, dtype: torch.dtype, **fields: Any) -> QuantizedTensor:
+        unknown = set(fields) - set(cls.component_names) - set(cls.attribute_names)
+        missing = set(cls.attribute_names) - set(fields)
+        if unknown or missing:
+            raise TypeError(
+                f"{cls.__name__}: unknown fields {sorted(unknown)}, missing {sorted(missing)}; "
+                f"components are {cls.component_names}, attributes {cls.attribute_names}."
+            )
+        first = next(fields[name] for name in cls.component_names if fields.get(name) is not None)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=first.device, requires_grad=False
         )
         for name in cls.component_names:
-            setattr(self, name, components.get(name))
-        self.meta = dict(meta)
+            setattr(self, name, fields.get(name))
+        for name in cls.attribute_names:
+            setattr(self, name, fields[name])
         return self
+
+    def _attributes(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.attribute_names}
 
     def __init__(self, **kwargs: Any) -> None:
         pass
@@ -56,26 +64,26 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):
 
     def _like(self) -> QuantizedTensor:
         components = dict(zip(self.component_names, self.get_data_tensors()))
-        return type(self)(shape=self.shape, dtype=self.dtype, meta=self.meta, **components)
+        return type(self)(shape=self.shape, dtype=self.dtype, **self._attributes(), **components)
 
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
         present = [
             n for n, t in zip(self.component_names, self.get_data_tensors()) if t is not None
         ]
-        return present, {"shape": self.shape, "dtype": self.dtype, "meta": self.meta}
+        return present, {"shape": self.shape, "dtype": self.dtype, **self._attributes()}
 
     @classmethod
     def __tensor_unflatten__(
         cls, inner: dict[str, torch.Tensor], ctx: dict[str, Any], outer_size: Any, outer_stride: Any
     ) -> QuantizedTensor:
-        return cls(shape=ctx["shape"], dtype=ctx["dtype"], meta=ctx["meta"], **inner)
+        return cls(**ctx, **inner)
 
     def _map_components(self, fn: Any) -> QuantizedTensor:
         components = {
             name: None if t is None else fn(t)
             for name, t in zip(self.component_names, self.get_data_tensors())
         }
-        return type(self)(shape=self.shape, dtype=self.dtype, meta=self.meta, **components)
+        return type(self)(shape=self.shape, dtype=self.dtype, **self._attributes(), **components)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -7,7 +7,9 @@ import torch
 
 from quantized import (
     Float8Quantizer,
+    Float8Tensor,
     MXFP8Quantizer,
+    MXFP8Tensor,
     QuantizedTensor,
     prepare_for_saving,
     restore_from_saved,
@@ -110,3 +112,17 @@ def test_moving_keeps_the_tensor_quantized_and_converting_dequantizes(quantizer)
     assert q.is_pinned() is False
     converted = q.to(torch.float64)
     assert type(converted) is torch.Tensor and torch.equal(converted, q.dequantize().double())
+
+
+def test_fields_are_derived_from_the_class_annotations():
+    assert Float8Tensor.component_names == ("_data", "_transpose", "_scale_inv")
+    assert Float8Tensor.attribute_names == ("fp8_dtype",)
+    assert MXFP8Tensor.attribute_names == ("fp8_dtype", "block_size")
+    q = MXFP8Quantizer().quantize(torch.randn(4, 64))
+    assert q.block_size == 32 and q.fp8_dtype == torch.float8_e4m3fn
+
+
+def test_the_constructor_names_unknown_and_missing_fields():
+    data = torch.zeros(4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"unknown fields \['meta'\], missing \['fp8_dtype'\]"):
+        Float8Tensor(shape=data.shape, dtype=torch.float32, meta={}, _data=data)
