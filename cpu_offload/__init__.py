@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from . import testing
 from .context import (
+    OffloadContext,
     get_cpu_offload_context,
     is_cpu_offload_enabled,
     mark_activation_offload,
@@ -35,6 +36,7 @@ __all__ = [
     "DefaultOffloadSynchronizer",
     "LayerState",
     "ManualOffloadSynchronizer",
+    "OffloadContext",
     "OffloadLayersHandle",
     "OffloadStateError",
     "OffloadStats",

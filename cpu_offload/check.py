@@ -111,7 +111,13 @@ def _step(layers: nn.ModuleList, x: torch.Tensor, ctx: Any = None, sync_fn: Any 
     layers.zero_grad(set_to_none=True)
     x.grad = None
     _forward(layers, x, ctx, sync_fn).float().square().mean().backward()
-    return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+    return [_grad(p) for p in layers.parameters()] + [_grad(x)]
+
+
+def _grad(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.grad is None:
+        raise RuntimeError(f"check: no gradient reached a tensor of shape {tuple(tensor.shape)}.")
+    return tensor.grad.clone()
 
 
 def _differing(expected: list[torch.Tensor], actual: list[torch.Tensor]) -> int:

@@ -7,7 +7,7 @@ import contextvars
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -45,7 +45,7 @@ _hooks_disabled_warned = False
 def _saved_tensors_hooks_enabled() -> bool:
     """False under torch.func transforms, which refuse saved-tensor hooks; warns once."""
     global _hooks_disabled_warned
-    if torch._C._autograd._saved_tensors_hooks_is_enabled():
+    if torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
         return True
     if not _hooks_disabled_warned:
         _hooks_disabled_warned = True
@@ -359,6 +359,84 @@ def _validate(
             )
 
 
+#: what ``get_cpu_offload_context`` returns as its context: a null context when disabled
+ContextManager = OffloadContext | contextlib.nullcontext[None]
+SyncFn = Callable[[Any], Any]
+_Result = (
+    tuple[ContextManager, SyncFn] | tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]
+)
+
+
+@overload
+def get_cpu_offload_context(
+    enabled: bool = ...,
+    num_layers: int | None = ...,
+    model_layers: int = ...,
+    offload_activations: bool = ...,
+    offload_weights: bool = ...,
+    double_buffering: bool = ...,
+    manual_synchronization: Literal[False] = ...,
+    retain_pinned_cpu_buffers: bool = ...,
+    offload_stream: Any = ...,
+    *,
+    device: torch.device | str | None = ...,
+    min_offload_numel: int = ...,
+) -> tuple[ContextManager, SyncFn]: ...
+
+
+@overload
+def get_cpu_offload_context(
+    enabled: bool,
+    num_layers: int | None,
+    model_layers: int,
+    offload_activations: bool,
+    offload_weights: bool,
+    double_buffering: bool,
+    manual_synchronization: Literal[True],
+    retain_pinned_cpu_buffers: bool = ...,
+    offload_stream: Any = ...,
+    *,
+    device: torch.device | str | None = ...,
+    min_offload_numel: int = ...,
+) -> tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]: ...
+
+
+@overload
+def get_cpu_offload_context(
+    enabled: bool = ...,
+    num_layers: int | None = ...,
+    model_layers: int = ...,
+    offload_activations: bool = ...,
+    offload_weights: bool = ...,
+    double_buffering: bool = ...,
+    *,
+    manual_synchronization: Literal[True],
+    retain_pinned_cpu_buffers: bool = ...,
+    offload_stream: Any = ...,
+    device: torch.device | str | None = ...,
+    min_offload_numel: int = ...,
+) -> tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]: ...
+
+
+@overload
+def get_cpu_offload_context(
+    enabled: bool = ...,
+    num_layers: int | None = ...,
+    model_layers: int = ...,
+    offload_activations: bool = ...,
+    offload_weights: bool = ...,
+    double_buffering: bool = ...,
+    manual_synchronization: bool = ...,
+    retain_pinned_cpu_buffers: bool = ...,
+    offload_stream: Any = ...,
+    *,
+    device: torch.device | str | None = ...,
+    min_offload_numel: int = ...,
+) -> (
+    tuple[ContextManager, SyncFn] | tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]
+): ...
+
+
 def get_cpu_offload_context(
     enabled: bool = False,
     num_layers: int | None = 1,
@@ -372,7 +450,9 @@ def get_cpu_offload_context(
     *,
     device: torch.device | str | None = None,
     min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
-) -> tuple[Any, Callable[[Any], Any]] | tuple[Any, Callable[[Any], Any], Any]:
+) -> (
+    tuple[ContextManager, SyncFn] | tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]
+):
     """Offload the activations of chosen layers to host memory.
 
     Drop-in compatible with TransformerEngine's and Megatron's call: the first nine
@@ -424,28 +504,26 @@ def get_cpu_offload_context(
         )
     if not enabled or not offload_activations:
         # Disabled, or weights only (deprecated, as in TransformerEngine): nothing to do.
-        identity: Callable[[Any], Any] = lambda x: x  # noqa: E731
+        identity: SyncFn = lambda x: x  # noqa: E731
         if manual_synchronization:
             return contextlib.nullcontext(), identity, None
         return contextlib.nullcontext(), identity
-    synchronizer: OffloadSynchronizer
     if manual_synchronization:
-        synchronizer = ManualOffloadSynchronizer(
+        controller = ManualOffloadSynchronizer(
             model_layers,
             retain_pinned_cpu_buffers,
             offload_stream,
             device=device,
             min_offload_numel=min_offload_numel,
         )
-    else:
-        synchronizer = DefaultOffloadSynchronizer(
-            model_layers,
-            num_layers,  # type: ignore[arg-type]  # validated by the synchronizer
-            retain_pinned_cpu_buffers,
-            device=device,
-            min_offload_numel=min_offload_numel,
-        )
+        manual = OffloadContext(controller)
+        return manual, manual.sync_fn, controller
+    synchronizer = DefaultOffloadSynchronizer(
+        model_layers,
+        num_layers,  # type: ignore[arg-type]  # validated by the synchronizer
+        retain_pinned_cpu_buffers,
+        device=device,
+        min_offload_numel=min_offload_numel,
+    )
     context = OffloadContext(synchronizer)
-    if manual_synchronization:
-        return context, context.sync_fn, synchronizer
     return context, context.sync_fn

@@ -12,10 +12,11 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from .context import get_cpu_offload_context
+from .context import OffloadContext, get_cpu_offload_context
 from .device import DeviceBackend, get_backend
 from .models import DTYPES
 from .models.gpt import GPT, Block, GPTConfig
@@ -61,7 +62,7 @@ def run(
                 min_offload_numel=min_offload_numel,
             )
         kwargs = {"context": context, "sync_fn": sync_fn}
-        synchronizer = context.offload_synchronizer
+        synchronizer = cast(OffloadContext, context).offload_synchronizer  # enabled=True
     gradients, times = [], []
     peak = end_of_forward = None
     for tokens in batches:
@@ -72,7 +73,9 @@ def run(
         loss = model.loss(tokens, **kwargs)
         end_of_forward = backend.memory_allocated()
         loss.backward()
-        gradients.append([p.grad.detach().clone() for p in model.parameters()])
+        gradients.append(
+            [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        )
         optimizer.step()
         backend.synchronize()
         times.append(time.perf_counter() - start)

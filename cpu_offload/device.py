@@ -19,7 +19,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,9 @@ from .tensor_group import is_dense
 
 __all__ = [
     "DeviceBackend",
+    "Event",
+    "Stream",
+    "TimingEvent",
     "HostBackend",
     "StreamBackend",
     "available_device_type",
@@ -46,6 +49,30 @@ _SYNC_WARNINGS_IN_PYTHON = {"cuda": True, "npu": False, "xpu": True}
 _CONTIGUOUS_COPIES_ONLY = {"npu"}
 
 
+class Event(Protocol):
+    """What the offloader asks of an event (``torch.cuda.Event``, ``torch.npu.Event``, ...)."""
+
+    def record(self, stream: Any = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class TimingEvent(Event, Protocol):
+    """An event created with timing enabled."""
+
+    def elapsed_time(self, end: Any) -> float: ...
+
+
+class Stream(Protocol):
+    """What the offloader asks of a stream (``torch.cuda.Stream``, ``torch.npu.Stream``, ...)."""
+
+    def wait_event(self, event: Any) -> None: ...
+
+    def wait_stream(self, stream: Any) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
 class DeviceBackend:
     """Streams, events, copies and memory statistics of one device.
 
@@ -61,28 +88,28 @@ class DeviceBackend:
     def device_type(self) -> str:
         return self.device.type
 
-    def new_stream(self) -> Any:
+    def new_stream(self) -> Stream:
         raise NotImplementedError
 
-    def current_stream(self) -> Any:
+    def current_stream(self) -> Stream:
         raise NotImplementedError
 
-    def new_event(self) -> Any:
+    def new_event(self) -> Event:
         raise NotImplementedError
 
-    def record_event(self, stream: Any | None = None) -> Any:
+    def record_event(self, stream: Stream | None = None) -> Event:
         """Record a new event on ``stream`` (default: the current stream)."""
         event = self.new_event()
         event.record(self.current_stream() if stream is None else stream)
         return event
 
-    def wait_event(self, stream: Any, event: Any) -> None:
+    def wait_event(self, stream: Stream, event: Event) -> None:
         stream.wait_event(event)
 
-    def wait_stream(self, stream: Any, other: Any) -> None:
+    def wait_stream(self, stream: Stream, other: Stream) -> None:
         stream.wait_stream(other)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, label: str = "") -> None:
         """Copy ``src`` into ``dst``, ordered on ``stream``, without blocking the host."""
         raise NotImplementedError
 
@@ -93,13 +120,13 @@ class DeviceBackend:
         )
 
     def copy_many(
-        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, label: str = ""
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Stream, label: str = ""
     ) -> None:
         """:meth:`copy` for each pair, in order."""
         for dst, src in zip(dsts, srcs):
             self.copy(dst, src, stream, label)
 
-    def current_stream_key(self) -> Any:
+    def current_stream_key(self) -> object:
         """Something equal for equal current streams, cheaper to get than the stream."""
         return self.current_stream()
 
@@ -111,7 +138,7 @@ class DeviceBackend:
         """A device tensor with the shape, strides and dtype of ``like``, on the current stream."""
         return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
 
-    def timing_event(self) -> Any:
+    def timing_event(self) -> TimingEvent:
         """An event that can measure elapsed time (``record``, ``elapsed_time``)."""
         return _HostTimingEvent()
 
@@ -140,10 +167,10 @@ class DeviceBackend:
 class _HostStream:
     """Stream of the host backend: work runs at once, so waits are no-ops."""
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: Event) -> None:
         return None
 
-    def wait_stream(self, stream: Any) -> None:
+    def wait_stream(self, stream: Stream) -> None:
         return None
 
     def synchronize(self) -> None:
@@ -173,7 +200,7 @@ class _HostTimingEvent:
     def synchronize(self) -> None:
         return None
 
-    def elapsed_time(self, end: _HostTimingEvent) -> float:
+    def elapsed_time(self, end: Any) -> float:
         """Milliseconds from this event to ``end``."""
         if self.time is None or end.time is None:
             raise RuntimeError("elapsed_time: both events must be recorded first.")
@@ -191,24 +218,24 @@ class HostBackend(DeviceBackend):
         self.device = torch.device("cpu")
         self._stream = _HostStream()
 
-    def new_stream(self) -> Any:
+    def new_stream(self) -> Stream:
         return _HostStream()
 
-    def current_stream(self) -> Any:
+    def current_stream(self) -> Stream:
         return self._stream
 
-    def new_event(self) -> Any:
+    def new_event(self) -> Event:
         return _HostEvent()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, label: str = "") -> None:
         dst.copy_(src)
 
     def copy_many(
-        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, label: str = ""
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Stream, label: str = ""
     ) -> None:
         torch._foreach_copy_(dsts, srcs)
 
-    def current_stream_key(self) -> Any:
+    def current_stream_key(self) -> object:
         return None  # one stream
 
     def synchronize(self) -> None:
@@ -253,28 +280,31 @@ class StreamBackend(DeviceBackend):
     def device(self) -> torch.device:  # type: ignore[override]
         device = self._device
         if device is None:
-            index = self._runtime.current_device() if self._requested.type != "cpu" else None
-            device = self._device = torch.device(self._requested.type, index)
+            if self._requested.type == "cpu":
+                device = torch.device("cpu")
+            else:
+                device = torch.device(self._requested.type, self._runtime.current_device())
+            self._device = device
         return device
 
     @property
     def device_type(self) -> str:
         return self._requested.type
 
-    def new_stream(self) -> Any:
+    def new_stream(self) -> Stream:
         return self._runtime.Stream(device=self.device)
 
-    def current_stream(self) -> Any:
+    def current_stream(self) -> Stream:
         return self._runtime.current_stream(self.device)
 
-    def new_event(self) -> Any:
+    def new_event(self) -> Event:
         return self._runtime.Event()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream, label: str = "") -> None:
         self.copy_many([dst], [src], stream, label)
 
     def copy_many(
-        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any, label: str = ""
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Stream, label: str = ""
     ) -> None:
         if self._contiguous_copies_only:
             pairs = [_as_contiguous_pair(dst, src) for dst, src in zip(dsts, srcs)]
@@ -284,7 +314,7 @@ class StreamBackend(DeviceBackend):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
-    def current_stream_key(self) -> Any:
+    def current_stream_key(self) -> object:
         if self._raw_stream is not None:
             return self._raw_stream(self.device.index)
         stream = self._runtime.current_stream(self.device)
@@ -293,7 +323,7 @@ class StreamBackend(DeviceBackend):
     def synchronize(self) -> None:
         self._runtime.synchronize(self.device)
 
-    def timing_event(self) -> Any:
+    def timing_event(self) -> TimingEvent:
         return self._runtime.Event(enable_timing=True)
 
     @contextlib.contextmanager

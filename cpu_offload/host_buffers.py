@@ -112,9 +112,9 @@ class HostBufferPool:
     def acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``."""
         if self.retain and self._retained[layer_index]:
-            buffers = self._retained[layer_index].pop()
-            self._check_same_layout(layer_index, buffers, tensors)
-            return buffers
+            retained = self._retained[layer_index].pop()
+            self._check_same_layout(layer_index, retained, tensors)
+            return retained
         sizes = [_nbytes(t) for t in tensors]
         self._requested += sum(sizes)
         self._peak_requested = max(self._peak_requested, self._requested)

@@ -71,11 +71,12 @@ def _candidates(model: nn.Module, depth: int = 4) -> list[nn.Module]:
 
 
 def _lookup(module: nn.Module, path: str) -> Any:
+    found: Any = module
     for name in path.split("."):
-        module = getattr(module, name, None)
-        if module is None:
+        found = getattr(found, name, None)
+        if found is None:
             return None
-    return module
+    return found
 
 
 def find_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

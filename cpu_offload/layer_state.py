@@ -128,7 +128,7 @@ def has_saving_protocol(obj: object) -> bool:
 def decompose(obj: Any) -> tuple[list[torch.Tensor | None], Any]:
     """``obj``'s components and the emptied object that ``restore_from_saved`` refills
     (a tensor is detached first, as autograd saves it)."""
-    saved = obj.detach() if isinstance(obj, torch.Tensor) else obj
+    saved: Any = obj.detach() if isinstance(obj, torch.Tensor) else obj
     return saved.prepare_for_saving()
 
 

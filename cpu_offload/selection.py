@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import warnings
+from types import FrameType
 
 import torch
 
@@ -33,7 +34,7 @@ _AOT_AUTOGRAD_DIR = os.path.join(_TORCH_DIR, "_functorch", "_aot_autograd")
 
 def _user_frame() -> tuple[str, int]:
     """File and line of the innermost frame outside cpu_offload and torch."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
         if not filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
@@ -63,7 +64,7 @@ def warn_once_per_call_site(
 def _saved_by_compiled_graph() -> bool:
     """Whether the tensor being packed was saved by a torch.compile'd region (a graph
     that AOTAutograd runs, or FX code that dynamo generated)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(("<eval_with_key>", _AOT_AUTOGRAD_DIR)):
@@ -136,7 +137,7 @@ def kept_because(tensor: object, device: torch.device, min_numel: int) -> str | 
         return BIT_OR_TRACING  # (fake tensors are a subclass, refused above)
     if tensor.requires_grad and _is_cast_of_parameter(tensor):
         return PARAMETER
-    if offloads_through_base(tensor, marks):
+    if base is not None and offloads_through_base(tensor, marks):
         return None if is_dense(base) else NOT_DENSE
     return None if is_dense(tensor) else NOT_DENSE
 

@@ -150,10 +150,9 @@ class OffloadSynchronizer:
         progress was abandoned (see :meth:`ForwardPass.abandoned`: an exception
         between two layers, say).
         """
-        current = self._current
-        if current is None or current.forward_done or current.abandoned():
-            self._current = self._new_pass()
         forward_pass = self._current
+        if forward_pass is None or forward_pass.forward_done or forward_pass.abandoned():
+            forward_pass = self._current = self._new_pass()
         layer = forward_pass.layers_forwarded
         forward_pass.layers_forwarded += 1
         self._on_forward(forward_pass, layer)

@@ -130,7 +130,7 @@ class TensorGroupProcessor:
         for tensor, event in zip(group.tensor_list, group.events):
             if tensor._base is not None and offloads_through_base(tensor):
                 base = tensor._base
-                offset = tensor.storage_offset() - base.storage_offset()
+                offset = int(tensor.storage_offset() - base.storage_offset())
                 views.append((tensor.shape, tensor.stride(), offset))
                 tensor = base
             else:

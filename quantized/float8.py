@@ -34,11 +34,15 @@ class Float8Tensor(QuantizedTensor):
     _scale_inv: Component
     fp8_dtype: torch.dtype
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def data_and_scale_inv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 data and its inverse scale (raises once handed over for saving)."""
         if self._data is None or self._scale_inv is None:
             raise RuntimeError("Float8Tensor: the data was handed over by prepare_for_saving.")
-        value = self._data.float() * self._scale_inv
-        return value.to(dtype or self.dtype)
+        return self._data, self._scale_inv
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        data, scale_inv = self.data_and_scale_inv()
+        return (data.float() * scale_inv).to(dtype or self.dtype)
 
 
 class Float8Quantizer:

@@ -21,11 +21,13 @@ _WEIGHT_QUANTIZER = Float8Quantizer(torch.float8_e4m3fn)
 def _fp8_matmul(qx: Float8Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``torch._scaled_mm`` with a per-tensor FP8 weight (accelerators that support it)."""
     qw = _WEIGHT_QUANTIZER.quantize(weight)
+    x_data, x_scale_inv = qx.data_and_scale_inv()
+    w_data, w_scale_inv = qw.data_and_scale_inv()
     out = torch._scaled_mm(
-        qx._data.reshape(-1, qx.shape[-1]),
-        qw._data.t(),
-        scale_a=qx._scale_inv,
-        scale_b=qw._scale_inv,
+        x_data.reshape(-1, qx.shape[-1]),
+        w_data.t(),
+        scale_a=x_scale_inv,
+        scale_b=w_scale_inv,
         bias=bias,
         out_dtype=qx.dtype,
     )

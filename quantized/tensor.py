@@ -12,7 +12,8 @@ from .storage import QuantizedTensorStorage
 __all__ = ["QuantizedTensor"]
 
 
-class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):
+# dequantize(dtype=None) widens torch.Tensor.dequantize(); the dispatch signature is torch's.
+class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):  # type: ignore[misc]
     """A wrapper tensor subclass holding quantized components.
 
     It has the shape and the nominal (high-precision) dtype of the value it stands
@@ -86,7 +87,9 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):
         return type(self)(shape=self.shape, dtype=self.dtype, **self._attributes(), **components)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return args[0]._like()

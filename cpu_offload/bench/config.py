@@ -126,7 +126,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     ks = [int(k) for k in str(values.pop("offload")).split(",") if k]
-    if any(not 0 < k < int(values["layers"]) for k in ks):
+    if any(not 0 < k < int(str(values["layers"])) for k in ks):
         parser.error(f"--offload values must be in 1..layers-1, got {ks}")
     modes: list[str] = []
     for mode in args.modes.split(","):

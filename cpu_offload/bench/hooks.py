@@ -16,12 +16,12 @@ import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ..context import get_cpu_offload_context
+from ..context import OffloadContext, get_cpu_offload_context
 from ..device import DeviceBackend
 from .modes import save_on_cpu
 
@@ -44,7 +44,7 @@ class HookCost:
     ratio_to_copy_hooks: float | None = None
 
 
-def _stack(layers: int, width: int, device: torch.device) -> nn.Module:
+def _stack(layers: int, width: int, device: torch.device) -> nn.ModuleList:
     """``layers`` layers of four (Linear, GELU, LayerNorm) blocks: 32 saved tensors each."""
     torch.manual_seed(0)
     blocks = [
@@ -60,7 +60,7 @@ def _stack(layers: int, width: int, device: torch.device) -> nn.Module:
     return nn.ModuleList(blocks).to(device)
 
 
-def _count_saved(stack: nn.Module, x: torch.Tensor) -> list[int]:
+def _count_saved(stack: nn.ModuleList, x: torch.Tensor) -> list[int]:
     """Tensors autograd saves per layer."""
     counts = []
     for layer in stack:
@@ -76,7 +76,7 @@ def _count_saved(stack: nn.Module, x: torch.Tensor) -> list[int]:
     return counts
 
 
-def _runner(mode: str, stack: nn.Module, backend: DeviceBackend) -> tuple[Callable, Any]:
+def _runner(mode: str, stack: nn.ModuleList, backend: DeviceBackend) -> tuple[Callable, Any]:
     layers = len(stack)
     if mode == "none":
         return (lambda x: _plain(stack, x)), None
@@ -120,10 +120,10 @@ def _runner(mode: str, stack: nn.Module, backend: DeviceBackend) -> tuple[Callab
             x = sync_fn(x)
         return x
 
-    return offloaded, ctx.offload_synchronizer
+    return offloaded, cast(OffloadContext, ctx).offload_synchronizer
 
 
-def _plain(stack: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _plain(stack: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for layer in stack:
         x = layer(x)
     return x

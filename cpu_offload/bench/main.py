@@ -78,10 +78,11 @@ def _derive(results: list[ModeResult], layers: int) -> None:
     for r in results:
         if r.skipped:
             continue
-        r.overhead_pct = 100 * (r.median_step_ms / base.median_step_ms - 1)
+        if r.median_step_ms is not None and base.median_step_ms is not None:
+            r.overhead_pct = 100 * (r.median_step_ms / base.median_step_ms - 1)
         if r.end_of_forward_bytes is not None and base.end_of_forward_bytes is not None:
             r.memory_saved_bytes = base.end_of_forward_bytes - r.end_of_forward_bytes
-        if r.mode.startswith("offload:") and per_layer is not None:
+        if r.mode.startswith("offload:") and per_layer is not None and r.baseline_bytes is not None:
             k = int(r.mode.split(":")[1])
             r.analytic_end_of_forward_bytes = int(r.baseline_bytes + (layers - k) * per_layer)
 

@@ -6,12 +6,12 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..context import get_cpu_offload_context
+from ..context import OffloadContext, get_cpu_offload_context
 from ..copy_timer import CopyTimer
 from ..device import DeviceBackend
 
@@ -49,7 +49,7 @@ class OffloadMode(Mode):
             self.context, self.sync_fn = get_cpu_offload_context(
                 True, k, layers, device=backend.device, min_offload_numel=min_numel
             )
-        self.synchronizer = self.context.offload_synchronizer
+        self.synchronizer = cast(OffloadContext, self.context).offload_synchronizer
         self.copy_timer = self.synchronizer.copy_timer = CopyTimer(backend)
 
     def call(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ class TorchtuneMode(Mode):
             )
             return
         try:
-            from torchtune.training import OffloadActivations  # type: ignore[import-not-found]
+            from torchtune.training import OffloadActivations
         except ImportError as error:
             self.skip_reason = (
                 f"torchtune is not importable ({error}); pip install 'cpu-offload[peers]'"

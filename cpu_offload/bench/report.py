@@ -89,8 +89,8 @@ def write_plot(path: str, results: list[ModeResult], title: str) -> str | None:
     ran = [r for r in results if not r.skipped]
     figure, (memory, pareto) = plt.subplots(1, 2, figsize=(13, 5))
     for r in ran:
-        points = [m for _, _, m in r.memory_trace]
-        if points and all(p is not None for p in points):
+        points = [m for _, _, m in r.memory_trace if m is not None]
+        if points and len(points) == len(r.memory_trace):
             memory.plot([p / 2**20 for p in points], marker=".", label=r.mode)
     memory.set_xlabel("layer boundary (forward, then backward)")
     memory.set_ylabel("allocated device memory (MiB)")

@@ -76,7 +76,7 @@ class GPT(nn.Module):
             else:
                 with context:
                     x = block(x)
-                x = sync_fn(x)
+                x = sync_fn(x) if sync_fn is not None else x
         return self.head(self.norm(x))
 
     def loss(self, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:

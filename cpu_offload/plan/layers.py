@@ -78,8 +78,8 @@ class GptLayer(nn.Module):
         s, b, h = x.shape
         q, k, v = (self._heads(t) for t in self.qkv(self.ln1(x)).chunk(3, dim=-1))
         if self.sdpa:
-            grouped = (t.view(b, self.heads, s, h // self.heads) for t in (q, k, v))
-            core = F.scaled_dot_product_attention(*grouped, dropout_p=self.dropout)
+            q, k, v = (t.view(b, self.heads, s, h // self.heads) for t in (q, k, v))
+            core = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout)
             context = core.permute(2, 0, 1, 3).reshape(s, b, h)
             x = x + F.dropout(self.proj(context), self.dropout, True)
             return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, True)

@@ -118,7 +118,7 @@ class SimulatedRuntime:
 
     # -- sync debug mode
     def set_sync_debug_mode(self, mode: int | str) -> None:
-        self._sync_debug_mode = _SYNC_DEBUG_MODES.get(mode, mode)  # type: ignore[call-overload]
+        self._sync_debug_mode = _SYNC_DEBUG_MODES[mode] if isinstance(mode, str) else mode
 
     def get_sync_debug_mode(self) -> int:
         return self._sync_debug_mode

@@ -28,14 +28,14 @@ import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..device import DeviceBackend, override_host_backend
+from ..device import DeviceBackend, Event, Stream, override_host_backend
 from ..errors import CpuOffloadError
 
 __all__ = ["SimulatedBackend", "StreamCounters", "StreamHazardError", "strict_streams"]
@@ -319,7 +319,7 @@ class SimulatedBackend(DeviceBackend):
         finally:
             self.suspend_depth -= 1
 
-    def hazard(self, message: str) -> None:
+    def hazard(self, message: str) -> NoReturn:
         self.counters.hazards += 1
         raise StreamHazardError(f"strict_streams: {message}")
 
@@ -368,7 +368,8 @@ class SimulatedBackend(DeviceBackend):
     def new_event(self) -> SimulatedEvent:
         return SimulatedEvent(self)
 
-    def wait_event(self, stream: SimulatedStream, event: SimulatedEvent) -> None:
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        stream, event = cast(SimulatedStream, stream), cast(SimulatedEvent, event)
         self.counters.event_waits += 1
         source = event.stream
         if source is None or source is stream:
@@ -380,9 +381,9 @@ class SimulatedBackend(DeviceBackend):
         else:
             stream.queue.append(_Wait(source, event.position))
 
-    def wait_stream(self, stream: SimulatedStream, other: SimulatedStream) -> None:
+    def wait_stream(self, stream: Stream, other: Stream) -> None:
         event = self.new_event()
-        event.record(other)
+        event.record(cast(SimulatedStream, other))
         self.wait_event(stream, event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:

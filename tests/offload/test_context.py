@@ -27,6 +27,7 @@ def test_public_names_are_the_stable_ones():
         "DefaultOffloadSynchronizer",
         "LayerState",
         "ManualOffloadSynchronizer",
+        "OffloadContext",
         "OffloadLayersHandle",
         "OffloadStateError",
         "OffloadStats",
