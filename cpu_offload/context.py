@@ -386,23 +386,6 @@ def get_cpu_offload_context(
 
 @overload
 def get_cpu_offload_context(
-    enabled: bool,
-    num_layers: int | None,
-    model_layers: int,
-    offload_activations: bool,
-    offload_weights: bool,
-    double_buffering: bool,
-    manual_synchronization: Literal[True],
-    retain_pinned_cpu_buffers: bool = ...,
-    offload_stream: Any = ...,
-    *,
-    device: torch.device | str | None = ...,
-    min_offload_numel: int = ...,
-) -> tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]: ...
-
-
-@overload
-def get_cpu_offload_context(
     enabled: bool = ...,
     num_layers: int | None = ...,
     model_layers: int = ...,

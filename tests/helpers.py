@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,3 +100,17 @@ def without_event_waits(monkeypatch, method_name):
             return original(self, *args)
 
     monkeypatch.setattr(OffloadableLayerState, method_name, buggy)
+
+
+def torchrun(script: str, processes: int, *args: str) -> str:
+    """Run ``examples/<script>`` on ``processes`` local processes; its output (it must
+    exit with 0)."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(processes), str(root / "examples" / script), *args],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    return output

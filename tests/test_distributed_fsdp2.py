@@ -4,13 +4,10 @@ both orders, reshard_after_forward on and off, fp32 and bf16 mixed precision."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [
     f"{order} reshard_after_forward={reshard} {dtype}"
     for order in ("offload-then-shard", "shard-then-offload")
@@ -21,23 +18,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_fully_shard_composes_bit_identically(world):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world),
-            str(ROOT / "examples" / "fsdp2.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+    output = torchrun("fsdp2.py", world)
     for rank in range(world):
         for config in CONFIGS:
             line = re.search(
