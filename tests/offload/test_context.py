@@ -1,10 +1,11 @@
-"""The public API of SPEC section 2: signatures, validation, marks."""
+"""The public API: signatures, validation, marks, the stable names."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,28 +22,15 @@ from cpu_offload import (
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
 
-def test_public_names_are_the_stable_ones():
-    assert cpu_offload.__all__ == [
-        "CpuOffloadError",
-        "DefaultOffloadSynchronizer",
-        "LayerState",
-        "ManualOffloadSynchronizer",
-        "OffloadContext",
-        "OffloadLayersHandle",
-        "OffloadStateError",
-        "OffloadStats",
-        "OffloadableLayerState",
-        "get_cpu_offload_context",
-        "is_cpu_offload_enabled",
-        "mark_activation_offload",
-        "mark_not_offload",
-        "offload_layers",
-        "start_offload",
-        "testing",
-    ]
-    assert all(hasattr(cpu_offload, name) for name in cpu_offload.__all__)
+def test_public_names_are_the_stable_ones_the_readme_lists():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    names = cpu_offload.__all__
+    assert len(set(names)) == len(names) == 16
+    for name in names:
+        assert hasattr(cpu_offload, name) and f"`{name}" in readme.replace("cpu_offload.", ""), name
     # Internals stay importable from their modules, not from the package.
-    assert not hasattr(cpu_offload, "TensorGroupProcessor")
+    for internal in ("TensorGroupProcessor", "ForwardPass", "OffloadSynchronizer"):
+        assert not hasattr(cpu_offload, internal)
     from cpu_offload.tensor_group import TensorGroupProcessor  # noqa: F401
 
 

@@ -1,4 +1,4 @@
-"""The default schedule of SPEC section 6, checked against an event log."""
+"""The default schedule (docs/design.md, "The default schedule"), checked against an event log."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def record_schedule(monkeypatch, num_layers: int, offloaded: int) -> list[tuple]
 
 
 def expected_schedule(L: int, k: int) -> list[tuple]:
-    """SPEC section 6, written out independently of the implementation."""
+    """The schedule of docs/design.md, written out independently of the implementation."""
     log = []
     for j in range(L):
         if 1 <= j and j - 1 < k:
