@@ -415,9 +415,7 @@ def get_cpu_offload_context(
     *,
     device: torch.device | str | None = ...,
     min_offload_numel: int = ...,
-) -> (
-    tuple[ContextManager, SyncFn] | tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]
-): ...
+) -> _Result: ...
 
 
 def get_cpu_offload_context(
@@ -433,9 +431,7 @@ def get_cpu_offload_context(
     *,
     device: torch.device | str | None = None,
     min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
-) -> (
-    tuple[ContextManager, SyncFn] | tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]
-):
+) -> _Result:
     """Offload the activations of chosen layers to host memory.
 
     Drop-in compatible with TransformerEngine's and Megatron's call: the first nine

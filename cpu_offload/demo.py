@@ -20,7 +20,7 @@ from .context import OffloadContext, get_cpu_offload_context
 from .device import DeviceBackend, get_backend
 from .models import DTYPES
 from .models.gpt import GPT, Block, GPTConfig
-from .plan import measure_layer, simulate
+from .plan import DeviceProfile, measure_layer, plan_offload
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
 __all__ = ["RunResult", "main", "run"]
@@ -190,18 +190,6 @@ def _planned_end_of_forward(args: argparse.Namespace, ks: list[int]) -> dict[int
         min_offload_numel=args.min_offload_numel,
         attention="cpu",
     )
-    rows = {
-        k: simulate(
-            args.layers,
-            k,
-            saved_bytes=profile.saved_bytes,
-            offloaded_bytes=profile.offloaded_bytes,
-            kept_bytes=profile.kept_bytes,
-            forward_s=1.0,
-            backward_s=1.0,
-            d2h_bytes_per_s=1.0,
-            h2d_bytes_per_s=1.0,
-        )
-        for k in [0, *ks]
-    }
-    return {k: row.end_of_forward_bytes for k, row in rows.items()}
+    # Memory does not depend on the device's speeds; any profile gives the same bytes.
+    plan = plan_offload(profile, args.layers, DeviceProfile(link_bytes_per_s=1, flops_per_s=1))
+    return {row.k: row.end_of_forward_bytes for row in plan.rows}

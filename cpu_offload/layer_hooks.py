@@ -183,8 +183,6 @@ class OffloadLayersHandle:
                 self._watchers.append(param.register_post_accumulate_grad_hook(check))
 
     def _warn_inside_checkpoint(self, layer: nn.Module) -> None:
-        if self._warned_checkpoint:
-            return
         self._warned_checkpoint = True
         if getattr(layer, "gradient_checkpointing", False):
             advice = (
@@ -276,6 +274,7 @@ def offload_layers(
             handle._stop_watching()
         if (
             count > 0
+            and not handle._warned_checkpoint  # once per handle; nothing to check after
             and torch.is_grad_enabled()
             and _checkpoint_forward_active()
             and not _forward_inside_backward()

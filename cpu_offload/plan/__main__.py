@@ -16,6 +16,7 @@ from .profiles import PROFILES, get_profile, with_flops
 from .schedule_model import Plan, plan_offload
 
 GIB = 2**30
+GPT_LAYERS = 32  # the stack a --gpt layer is planned in, unless --layers says otherwise
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -45,17 +46,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def layer_spec(args: argparse.Namespace) -> tuple[LayerSpec, int]:
-    """The layer to measure and the default number of layers."""
+def layer_spec(args: argparse.Namespace) -> LayerSpec:
+    """The layer to measure (its ``num_layers``: the model's, where known)."""
     dtype = DTYPES[args.dtype]
     if args.hf_config:
-        spec = hf_layer(args.hf_config, args.seq or 4096, args.batch or 1, dtype, args.attention)
-        return spec, spec.num_layers or 1
+        return hf_layer(args.hf_config, args.seq or 4096, args.batch or 1, dtype, args.attention)
     if args.gpt:
         seq, batch = args.seq or 2048, args.batch or 1
-        return gpt_layer(seq, batch, args.hidden, args.heads, dtype, args.attention), 32
-    spec = preset_layer(args.preset or "llama8b-layer", args.seq, args.batch)
-    return spec, spec.num_layers or 1
+        return gpt_layer(seq, batch, args.hidden, args.heads, dtype, args.attention)
+    return preset_layer(args.preset or "llama8b-layer", args.seq, args.batch)
 
 
 def print_plan(plan: Plan, description: str) -> None:
@@ -143,7 +142,7 @@ def write_plot(plan: Plan, path: str) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        spec, default_layers = layer_spec(args)
+        spec = layer_spec(args)
         device = with_flops(get_profile(args.device), args.flops)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -159,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
     plan = plan_offload(
         profile,
-        args.layers or default_layers,
+        args.layers or spec.num_layers or GPT_LAYERS,
         device,
         overhead_budget=args.overhead,
         memory_budget=budget,

@@ -196,15 +196,18 @@ def measure_layer(
         primary.backward(torch.empty_like(primary))
     extra_forward = sum(sdpa_flop_count(q, k, v) for q, k, v in mode.uncounted)
     extra_backward = sum(sdpa_backward_flop_count(q, q, k, v) for q, k, v in mode.uncounted)
-    profile = _classify(saved, layer, min_offload_numel)
-    profile.forward_flops = forward_counter.get_total_flops() + extra_forward
-    profile.backward_flops = backward_counter.get_total_flops() + extra_backward
-    profile.attention = attention
-    profile.description = description
-    return profile
+    return LayerProfile(
+        **_classify(saved, layer, min_offload_numel),
+        forward_flops=forward_counter.get_total_flops() + extra_forward,
+        backward_flops=backward_counter.get_total_flops() + extra_backward,
+        attention=attention,
+        min_offload_numel=min_offload_numel,
+        description=description,
+    )
 
 
-def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int) -> LayerProfile:
+def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int) -> dict[str, Any]:
+    """The byte and copy fields of a :class:`LayerProfile` for these saved tensors."""
     weights = {_storage_key(p) for p in layer.parameters()}
     buffers = {_storage_key(b) for b in layer.buffers()}
     device = torch.device("meta")
@@ -220,9 +223,8 @@ def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int)
             reason = BUFFER
         else:
             reason = kept_because(tensor, device, min_numel)
-            activations[key] = tensor.untyped_storage().nbytes()
-            if reason == PARAMETER:  # a cast of a weight (autocast) counts as a weight
-                activations.pop(key)
+            if reason != PARAMETER:  # a cast of a weight (autocast) counts as a weight
+                activations[key] = tensor.untyped_storage().nbytes()
         rows.append((tuple(tensor.shape), str(tensor.dtype), reason or "offloaded"))
         if reason is None:
             group.append(tensor, None)
@@ -232,15 +234,11 @@ def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int)
     by_reason: dict[str, int] = {}
     for key, reason in kept.items():
         by_reason[reason] = by_reason.get(reason, 0) + activations[key]
-    return LayerProfile(
-        saved_bytes=sum(activations.values()),
-        offloaded_bytes=sum(t.numel() * t.element_size() for t in unique.tensor_list),
-        kept_bytes=sum(by_reason.values()),
-        kept_by_reason=by_reason,
-        tensors_offloaded=len(unique.tensor_list),
-        forward_flops=0,
-        backward_flops=0,
-        attention="",
-        min_offload_numel=min_numel,
-        saved=rows,
-    )
+    return {
+        "saved_bytes": sum(activations.values()),
+        "offloaded_bytes": sum(t.numel() * t.element_size() for t in unique.tensor_list),
+        "kept_bytes": sum(by_reason.values()),
+        "kept_by_reason": by_reason,
+        "tensors_offloaded": len(unique.tensor_list),
+        "saved": rows,
+    }
