@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -165,8 +166,27 @@ def _queue_end_of_backward(callback: Callable[[], None]) -> bool:
     return True
 
 
+class _LayerInProgress(threading.local):
+    """What one thread's ``with ctx:`` block holds between entering and leaving."""
+
+    inside = False
+    inert = False  # the current (or last) layer forward passes through
+    hooks: saved_tensors_hooks | None = None
+    depth_token: contextvars.Token[int] | None = None
+    # The pass and layer of the latest forward, for sync_fn. Weak: a pass belongs to
+    # its graph. Strong from a layer's forward until its sync_fn hands the pass to the
+    # layer's graph (a graph cut before the layer leaves no other owner).
+    last_pass: weakref.ref[ForwardPass] | None = None
+    unattached_pass: ForwardPass | None = None
+    last_layer: int | None = None
+
+
 class OffloadContext:
     """Context entered around each layer's forward; see :func:`get_cpu_offload_context`.
+
+    One context may be used by several threads at once (each runs its own forward
+    passes, as two threads may run forward and backward through one model without
+    offload).
 
     A forward that runs inside a backward pass (activation checkpointing recomputing
     a layer) and a forward under ``torch.func`` transforms (which disable saved-tensor
@@ -178,29 +198,20 @@ class OffloadContext:
 
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
         self.offload_synchronizer = synchronizer
-        self._hooks: saved_tensors_hooks | None = None
-        self._depth_token: contextvars.Token[int] | None = None
-        self._inside = False
+        self._layer = _LayerInProgress()  # per thread
         #: whether :attr:`inside_context` tells the truth (the Megatron integration turns
         #: it off where Megatron would assert that TransformerEngine is installed)
         self.report_inside_context = True
-        self._inert = False  # the current (or last) layer forward passes through
-        # The pass and layer of the latest forward, for sync_fn. Weak: a pass belongs
-        # to its graph. Strong from a layer's forward until its sync_fn attaches the
-        # pass to the layer's graph (a graph cut before the layer leaves no other owner).
-        self._last_pass: weakref.ref[ForwardPass] | None = None
-        self._unattached_pass: ForwardPass | None = None
-        self._last_layer: int | None = None
 
     @property
     def active(self) -> bool:
-        """Whether a layer's forward is inside this context now."""
-        return self._inside
+        """Whether a layer's forward is inside this context now, in this thread."""
+        return self._layer.inside
 
     @property
     def inside_context(self) -> bool:
         """TransformerEngine's name for :attr:`active` (Megatron-Core reads it)."""
-        return self._inside and self.report_inside_context
+        return self._layer.inside and self.report_inside_context
 
     def __enter__(self) -> OffloadContext:
         return self.enter_layer()
@@ -213,15 +224,16 @@ class OffloadContext:
                 forward pass (a skipped block); they count as empty layers.
             new_pass: this layer starts a new forward pass (abandon the one in progress).
         """
-        if self._inside:
+        frame = self._layer
+        if frame.inside:
             raise CpuOffloadError(
                 "cpu_offload: the offload context was entered again before it was left. "
                 "Use one `with ctx:` block per layer, and call sync_fn on the layer's "
                 "output after the block."
             )
-        self._inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
-        if self._inert:
-            self._inside = True
+        frame.inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
+        if frame.inert:
+            frame.inside = True
             return self
         synchronizer = self.offload_synchronizer
         try:
@@ -234,37 +246,59 @@ class OffloadContext:
             forward_pass = synchronizer.current_pass
             if forward_pass is None:  # pragma: no cover - fwd_step always sets it
                 raise CpuOffloadError("cpu_offload internal error: no forward pass after fwd_step.")
-            self._last_pass = weakref.ref(forward_pass)
-            self._unattached_pass = forward_pass
-            self._last_layer = layer
+            frame.last_pass = weakref.ref(forward_pass)
+            frame.unattached_pass = forward_pass
+            frame.last_layer = layer
             if synchronizer.layer_is_offloaded(layer) and not _checkpoint_forward_active():
                 state = forward_pass.layer_states[layer]
                 hooks = saved_tensors_hooks(state.push_tensor, unpack_saved)
                 hooks.__enter__()
-                self._hooks = hooks
+                frame.hooks = hooks
         except BaseException:
+            frame.unattached_pass = None
             synchronizer.abort_forward()  # __exit__ will not run: leave no pass in progress
             raise
-        self._depth_token = _active_depth.set(_active_depth.get() + 1)
-        self._inside = True
+        frame.depth_token = _active_depth.set(_active_depth.get() + 1)
+        frame.inside = True
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        self._inside = False
-        if self._inert:
+        frame = self._layer
+        frame.inside = False
+        if frame.inert:
             return
-        if self._depth_token is not None:
-            _active_depth.reset(self._depth_token)
-            self._depth_token = None
-        if self._hooks is not None:
-            self._hooks.__exit__(exc_type, exc, traceback)
-            self._hooks = None
+        if frame.depth_token is not None:
+            _active_depth.reset(frame.depth_token)
+            frame.depth_token = None
+        if frame.hooks is not None:
+            frame.hooks.__exit__(exc_type, exc, traceback)
+            frame.hooks = None
         if exc_type is not None:
             # The next forward starts a fresh pass; the partial graph keeps what it
-            # saved, so a backward through it computes what it would without offload.
+            # saved, so a backward through it computes what it would without offload,
+            # and the pass goes with that graph (NOTE [Who owns a forward pass]).
+            frame.unattached_pass = None
             self.offload_synchronizer.abort_forward()
         else:
             self.offload_synchronizer.fwd_end()
+
+    def leave_interrupted(self) -> bool:
+        """Leave a layer whose forward ended without leaving the context (a
+        ``KeyboardInterrupt`` through forward hooks, which run on ``Exception`` only).
+
+        Returns whether the context was left: not when other saved-tensor hooks were
+        entered above this context's since, which only their owner can remove.
+        """
+        frame = self._layer
+        if not frame.inside:
+            return True
+        hooks = frame.hooks
+        if hooks is not None:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is None or top[0] != hooks.pack_hook:
+                return False
+        self.__exit__(KeyboardInterrupt, None, None)
+        return True
 
     def sync_fn(self, tensor: Any) -> Any:
         """Mark the end of a layer: backward reaching ``tensor`` triggers the schedule.
@@ -272,25 +306,26 @@ class OffloadContext:
         Returns ``tensor`` itself; a tensor that does not require grad (evaluation,
         ``torch.no_grad``) is passed through untouched.
         """
-        if self._inside:
+        frame = self._layer
+        if frame.inside:
             raise CpuOffloadError(
                 "cpu_offload: the sync function was called inside the offload context; "
                 "call it on the layer's output after the `with ctx:` block."
             )
-        if self._inert:
+        if frame.inert:
             return tensor
-        forward_pass = self._last_pass() if self._last_pass is not None else None
-        self._unattached_pass = None
+        forward_pass = frame.last_pass() if frame.last_pass is not None else None
+        frame.unattached_pass = None
         if forward_pass is not None and isinstance(tensor, torch.Tensor):
             forward_pass.note_output(tensor)
         if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
             return tensor
-        if forward_pass is None or self._last_layer is None:
+        if forward_pass is None or frame.last_layer is None:
             raise CpuOffloadError(
                 "cpu_offload: the sync function was called without a layer forward before "
                 "it. Call it once after each `with ctx:` block, on the layer's output."
             )
-        layer = self._last_layer
+        layer = frame.last_layer
         hooked = forward_pass.hooked_output() if forward_pass.hooked_output else None
         if hooked is tensor:
             # The layer returned its input (an identity or skipped block): its backward

@@ -19,7 +19,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -63,6 +63,7 @@ class TimingEvent(Event, Protocol):
     def elapsed_time(self, end: Any) -> float: ...
 
 
+@runtime_checkable
 class Stream(Protocol):
     """What the offloader asks of a stream (``torch.cuda.Stream``, ``torch.npu.Stream``, ...)."""
 

@@ -36,6 +36,8 @@ class ForwardPass:
         layers_forwarded: how many layers' forwards have started.
         previous_bwd_layer: the layer whose backward ran last, not yet released.
         finish_queued: whether the end-of-backward callback is queued.
+        backward_reached: whether a backward has reached the pass (no layer of it
+            forwards after that).
         hooked_output: the latest tensor ``sync_fn`` hooked (weak), and
         hooked_layers: the layers whose backward starts at its node.
     """
@@ -51,6 +53,7 @@ class ForwardPass:
         self.layers_forwarded = 0
         self.previous_bwd_layer: int | None = None
         self.finish_queued = False
+        self.backward_reached = False
         self.hooked_output: weakref.ref[torch.Tensor] | None = None
         self.hooked_layers: list[int] = []
         self._last_output: StorageWeakRef | None = None

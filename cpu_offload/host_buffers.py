@@ -27,6 +27,7 @@ NOTE [Host memory pool]
 from __future__ import annotations
 
 import bisect
+import threading
 from collections import defaultdict
 
 import torch
@@ -106,15 +107,20 @@ class HostBufferPool:
         self._peak_requested = 0
         self._num_alloc = 0
         self._num_free = 0
+        self._lock = threading.Lock()  # passes of several threads share the pool
 
     # -------------------------------------------------------------- lending
 
     def acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``."""
+        with self._lock:
+            return self._acquire(layer_index, tensors)
+
+    def _acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.retain and self._retained[layer_index]:
-            retained = self._retained[layer_index].pop()
-            self._check_same_layout(layer_index, retained, tensors)
-            return retained
+            # Checked before it is taken: after the error the set is still the layer's.
+            self._check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
+            return self._retained[layer_index].pop()
         sizes = [_nbytes(t) for t in tensors]
         self._requested += sum(sizes)
         self._peak_requested = max(self._peak_requested, self._requested)
@@ -133,6 +139,10 @@ class HostBufferPool:
         """Give back the buffers of ``layer_index`` once their data is no longer needed."""
         if not buffers:
             return
+        with self._lock:
+            self._release(layer_index, buffers)
+
+    def _release(self, layer_index: int, buffers: list[torch.Tensor]) -> None:
         if self.retain:
             self._retained[layer_index].append(buffers)  # still lent: fixed addresses
             return
@@ -143,6 +153,10 @@ class HostBufferPool:
 
     def empty_cache(self) -> None:
         """Free the blocks no layer is using (and the buffers retained for later passes)."""
+        with self._lock:
+            self._empty_cache()
+
+    def _empty_cache(self) -> None:
         for size in self._free_sizes:
             self._count_freed(size)
         self._free_sizes.clear()

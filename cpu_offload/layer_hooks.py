@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from .context import (
     get_cpu_offload_context,
     mark_not_offload,
 )
+from .errors import CpuOffloadError
 
 __all__ = ["LAYER_PATHS", "OffloadLayersHandle", "find_layers", "offload_layers"]
 
@@ -122,6 +125,73 @@ def _resolve_count(k: int | float, num_layers: int) -> int:
     return k
 
 
+class _PassThrough:
+    """What a copy of a hooked module carries in place of each of our hooks: nothing.
+
+    See NOTE [Copies of hooked modules].
+    """
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+class _LayerHook:
+    """A forward hook of :func:`offload_layers`.
+
+    NOTE [Copies of hooked modules]
+        ``copy.deepcopy(model)`` (an EMA or reference model) and ``torch.save(model)``
+        copy a module's hook dictionaries.  Our hooks belong to the original modules
+        and their handle, so a copy gets a pass-through in their place: the copy runs
+        as the model did before ``offload_layers`` (nothing is offloaded, the
+        original keeps offloading).  Call ``offload_layers`` on the copy to offload
+        it too.
+    """
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[..., None]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any) -> None:
+        self.function(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _PassThrough:
+        return _PassThrough()
+
+    def __reduce__(self) -> tuple[type[_PassThrough], tuple[()]]:
+        return _PassThrough, ()
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _module_call_frame() -> FrameType | None:
+    """The frame of the module call that runs the calling forward pre-hook: it lives
+    exactly as long as that module's forward runs."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(8):
+        if frame is None or frame.f_code is _CALL_IMPL:
+            return frame
+        frame = frame.f_back
+    return None  # called some other way (a compiled caller): no frame to tell by
+
+
+def _on_stack(frame: FrameType) -> bool:
+    """Whether ``frame`` is running in this thread (an enclosing call of ours)."""
+    current: FrameType | None = sys._getframe(1)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
+
+
+class _LayerCall(threading.local):
+    """Per thread: the frame of the module call whose forward is inside the context."""
+
+    frame: FrameType | None = None
+
+
 class OffloadLayersHandle:
     """What :func:`offload_layers` returns.
 
@@ -145,13 +215,39 @@ class OffloadLayersHandle:
         self._hooks: list[Any] = []
         self._watchers: list[Any] = []  # gradient hooks waiting for the first forward
         self._warned_checkpoint = False
+        self._call = _LayerCall()
 
     def remove(self) -> None:
-        """Remove the hooks: the modules behave as before."""
+        """Remove the hooks: the modules behave as before.
+
+        A layer forward that a ``KeyboardInterrupt`` (or another ``BaseException``)
+        stopped left the context entered in this thread; it is left here too.
+        """
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         self._stop_watching()
+        self._leave_interrupted()
+
+    def _leave_interrupted(self) -> None:
+        """Leave the context that a forward stopped by a ``BaseException`` left entered
+        (forward hooks with ``always_call`` run on ``Exception`` only)."""
+        self._call.frame = None
+        if not self.context.leave_interrupted():
+            raise CpuOffloadError(
+                "cpu_offload: a forward of an offloaded layer was interrupted (a "
+                "KeyboardInterrupt or another BaseException) and other saved-tensor hooks "
+                "were entered after it and are still active, so the offload hooks under them "
+                "cannot be removed. Leave those hooks' context first."
+            )
+
+    def _enter_call(self) -> None:
+        """Note the module call now entering the context; first leave a context that an
+        interrupted forward left entered (a call that is not running any more)."""
+        call = self._call
+        if self.context.active and (call.frame is None or not _on_stack(call.frame)):
+            self._leave_interrupted()
+        call.frame = _module_call_frame()
 
     def _stop_watching(self) -> None:
         for hook in self._watchers:
@@ -286,6 +382,7 @@ def offload_layers(
         if expected >= len(layers):
             expected = 0
         mine = positions[id(module)]
+        handle._enter_call()
         if expected in mine:
             context.enter_layer()
         elif mine[0] > expected:
@@ -298,6 +395,7 @@ def offload_layers(
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if not context.active:
             return
+        handle._call.frame = None
         exc_type, exc, traceback = sys.exc_info()
         if exc_type is not None:  # forward raised; always_call hooks run in its except
             context.__exit__(exc_type, exc, traceback)
@@ -309,11 +407,12 @@ def offload_layers(
 
     # Compiled layers run the hooks eagerly, around the compiled forward: the saved-
     # tensor hooks they enter apply to the compiled graph's saved tensors at run time.
-    enter, leave = torch.compiler.disable(enter), torch.compiler.disable(leave)
+    pre_hook = _LayerHook(torch.compiler.disable(enter))
+    post_hook = _LayerHook(torch.compiler.disable(leave))
     unique = list({id(layer): layer for layer in layers}.values())  # a shared module once
     for layer in unique:
-        handle._hooks.append(layer.register_forward_pre_hook(enter))
-        handle._hooks.append(layer.register_forward_hook(leave, always_call=True))
+        handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
+        handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
     if count > 0:
         handle._watch_for_missed_forwards(unique)
     return handle

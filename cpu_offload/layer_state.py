@@ -32,6 +32,18 @@ NOTE [Lifetime of a layer's data]
     backward through the same graph (``retain_graph=True``, ``create_graph=True``)
     reloads it again.
 
+NOTE [Saved tensors without their history]
+    A layer holds the device tensors it was handed as aliases without autograd
+    history (``detach()``: same memory, same version counter).  The tensor the pack
+    hook receives carries its ``grad_fn``, and that node may hold this layer (through
+    the handles it saved) or its forward pass (through the pre-hook ``sync_fn``
+    registered): holding the tensor itself would close a cycle through C++ autograd
+    nodes that Python's garbage collector cannot see, and a graph dropped without a
+    backward (an exception mid-forward) would never be freed.  Ownership runs one
+    way: the graph owns the handles, the handles the layer, the layer plain memory.
+    One alias is made per tensor object, so a tensor saved twice is still copied
+    once, and a view that moves through its base becomes a view of its base's alias.
+
 NOTE [Version counter checks]
     With saved-tensor hooks autograd no longer compares a saved tensor's version
     counter at unpack.  The layer state does it instead: the version is recorded at
@@ -56,10 +68,10 @@ from .copy_timer import CopyTimer
 from .device import DeviceBackend, get_backend
 from .errors import OffloadStateError
 from .host_buffers import HostBufferPool
-from .marks import marks_of
+from .marks import TensorMarks, marks_of, set_mark
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL, is_offloadable
 from .stats import OffloadStats
-from .tensor_group import TensorGroup, TensorGroupProcessor
+from .tensor_group import TensorGroup, TensorGroupProcessor, offloads_through_base
 
 __all__ = [
     "TRANSITIONS",
@@ -173,7 +185,9 @@ class _Kept:
     __slots__ = ("tensor", "version", "layer")
 
     def __init__(self, tensor: torch.Tensor, layer: OffloadableLayerState) -> None:
-        self.tensor = tensor
+        # An output saved by its own node would hold that node: hold no history (see
+        # NOTE [Saved tensors without their history]).
+        self.tensor = tensor.detach() if tensor.grad_fn is not None else tensor
         self.version = tensor._version
         self.layer = layer
 
@@ -250,12 +264,15 @@ class OffloadableLayerState:
         self.state = LayerState.NOT_OFFLOADED
         self.generation = 0
         self._lease: weakref.ref[_Lease] | None = None  # weak: handles own the lease
+        self._held_lease: _Lease | None = None  # strong: tensors pushed by hand
         self._reset_data()
 
     def _reset_data(self) -> None:
         self._pushed = TensorGroup()  # device tensors as pushed, one per handle
         self._versions: list[int] = []  # per pushed position: version at push
         self._originals: list[weakref.ref[torch.Tensor]] = []  # per pushed position
+        # id(tensor) -> (weak tensor, its alias): one alias per tensor object
+        self._aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self._modified: dict[int, int] = {}  # pushed position -> version seen at copy
         self._unique = TensorGroup()  # after group processing, being copied
         self._host: list[torch.Tensor] = []
@@ -314,7 +331,41 @@ class OffloadableLayerState:
             weakref.finalize(lease, self._graph_released, self.generation).atexit = False
         self._versions.append(tensor._version)
         self._originals.append(weakref.ref(tensor))
-        return _Offloaded(lease, self._pushed.append(tensor, event))
+        return _Offloaded(lease, self._pushed.append(self._alias(tensor, marks), event))
+
+    def _alias(self, tensor: torch.Tensor, marks: TensorMarks | None) -> torch.Tensor:
+        """What the layer holds for ``tensor``: see NOTE [Saved tensors without their history]."""
+        base = tensor._base
+        if base is None or not offloads_through_base(tensor, marks):
+            return self._alias_of(tensor)
+        view = self._alias_of(base).as_strided(
+            tensor.shape, tensor.stride(), tensor.storage_offset()
+        )
+        if marks is not None and marks.offload_base:
+            set_mark(view, offload_base=True)  # the group processing reads the mark
+        return view
+
+    def _alias_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One alias without history per tensor object (so duplicates stay duplicates)."""
+        if tensor.grad_fn is None and tensor._base is None:
+            return tensor
+        key = id(tensor)
+        entry = self._aliases.get(key)
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+        alias = tensor.detach()
+        self._aliases[key] = (weakref.ref(tensor), alias)
+        return alias
+
+    def push_by_hand(self, tensor: Any) -> Any:
+        """Push a tensor that no pack hook saved (TransformerEngine's by-hand use).
+
+        The layer holds what was pushed by hand until it is released, whether or not
+        the caller keeps the handle, as TransformerEngine's layer state does.
+        """
+        handle = self.push_tensor(tensor)
+        self._held_lease = self._live_lease()
+        return handle
 
     def _push_other(self, obj: Any) -> Any:
         """Tensor subclasses, objects saved as their components."""
@@ -397,6 +448,7 @@ class OffloadableLayerState:
     def start_offload(self) -> None:
         """Queue device-to-host copies of the layer's tensors on the offload stream."""
         self._transition("start_offload")
+        self._aliases = {}  # no more pushes: only the group holds the device tensors now
         if not self._pushed.tensor_list:
             return
         self._note_modified()
@@ -470,6 +522,7 @@ class OffloadableLayerState:
         never copied stay on the device.  Otherwise everything goes and the layer is
         back to ``NOT_OFFLOADED``.
         """
+        self._held_lease = None  # what was pushed by hand lives as long as its handles now
         if self._live_lease() is None:
             self._drop_data()
             self.state = LayerState.NOT_OFFLOADED
@@ -485,7 +538,7 @@ class OffloadableLayerState:
     def _start_new_cycle(self) -> None:
         """A state reused for a new forward after its backward: the old graph's
         handles lose their data (popping one raises)."""
-        self._lease = None
+        self._lease = self._held_lease = None
         self._drop_data()
         self.generation += 1
         self.state = LayerState.NOT_OFFLOADED

@@ -8,6 +8,7 @@ as long as its autograd graph.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -15,11 +16,12 @@ from typing import Any
 import torch
 
 from .copy_timer import CopyTimer
-from .device import DeviceBackend, get_backend
+from .device import DeviceBackend, Stream, get_backend
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
 from .host_buffers import HostBufferPool
 from .layer_state import LayerState, OffloadableLayerState, unpack_saved
+from .marks import set_mark
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .stats import OffloadStats
 
@@ -33,8 +35,28 @@ def _check_model_layers(num_layers: object) -> None:
         raise ValueError(f"cpu_offload: model_layers must be an int >= 1, got {num_layers!r}.")
 
 
+class _ForwardInProgress(threading.local):
+    """The forward pass a thread is running (see NOTE [Who owns a forward pass])."""
+
+    current: ForwardPass | None = None
+
+
 class OffloadSynchronizer:
     """Tracks forward passes and layers; offloads nothing by itself.
+
+    NOTE [Who owns a forward pass]
+        The graph owns a pass, never the reverse: the backward pre-hooks that
+        ``sync_fn`` registers hold the pass, the handles that autograd saved hold its
+        layers, and the layers hold plain memory (NOTE [Saved tensors without their
+        history] in layer_state.py).  A graph dropped without a backward frees its
+        handles, and with them the layers' host buffers and device tensors, at once.
+        The synchronizer holds finished passes weakly, and the pass a thread is
+        forwarding strongly (its layers are counted even across a graph cut); an
+        exception inside a layer ends that pass, and a pass left between two layers
+        (its last output and its graph gone) is replaced at the next forward and is
+        no longer reported as in flight.  Each thread forwards its own pass: two
+        threads may run forward and backward through one model, as they may
+        without offload.
 
     Args:
         num_layers: layers per forward pass (``model_layers``).
@@ -54,6 +76,12 @@ class OffloadSynchronizer:
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
     ) -> None:
         _check_model_layers(num_layers)
+        if offload_stream is not None and not isinstance(offload_stream, Stream):
+            raise TypeError(
+                "cpu_offload: offload_stream must be a stream of the device (such as "
+                f"torch.cuda.Stream()), got {type(offload_stream).__name__} {offload_stream!r}. "
+                "Pass None to let the offloader create one."
+            )
         if not isinstance(min_offload_numel, int) or min_offload_numel < 0:
             raise ValueError(
                 f"cpu_offload: min_offload_numel must be an int >= 0, got {min_offload_numel!r}."
@@ -65,9 +93,10 @@ class OffloadSynchronizer:
         self.min_offload_numel = min_offload_numel
         self.stats = OffloadStats()
         self.copy_timer: CopyTimer | None = None  # set by benchmarks to time copies
-        self._current: ForwardPass | None = None  # forward in progress (held strongly)
+        self._forwarding = _ForwardInProgress()  # per thread
         self._driven_by_hand: ForwardPass | None = None  # see bwd_step
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
+        self._passes_lock = threading.Lock()
 
     @property
     def offload_stream(self) -> Any:
@@ -98,15 +127,17 @@ class OffloadSynchronizer:
             return state
 
         forward_pass = ForwardPass(self.num_layers, make_state)
-        self._passes = [ref for ref in self._passes if ref() is not None]
-        self._passes.append(weakref.ref(forward_pass))
-        self.stats.forward_passes += 1
+        with self._passes_lock:
+            self._passes = [ref for ref in self._passes if ref() is not None]
+            self._passes.append(weakref.ref(forward_pass))
+            self.stats.forward_passes += 1
         return forward_pass
 
     def in_flight_passes(self) -> list[ForwardPass]:
-        """Forward passes whose graphs are alive, oldest first."""
+        """Forward passes whose graphs are alive, oldest first (not a pass left between
+        two layers whose last output and graph are gone)."""
         alive = [ref() for ref in self._passes]
-        return [p for p in alive if p is not None]
+        return [p for p in alive if p is not None and not p.abandoned()]
 
     def resolve_pass(self, forward_pass: PassRef = None) -> ForwardPass:
         """A pass given as object or index; ``None`` means the latest one."""
@@ -134,8 +165,11 @@ class OffloadSynchronizer:
 
     @property
     def current_pass(self) -> ForwardPass | None:
-        """The pass whose forward is in progress, if any."""
-        return self._current
+        """The pass whose forward is in progress in this thread, if any."""
+        return self._forwarding.current
+
+    def _set_current(self, forward_pass: ForwardPass | None) -> None:
+        self._forwarding.current = forward_pass
 
     def layer_is_offloaded(self, layer: int) -> bool:
         """Whether this synchronizer may offload ``layer`` (hooks are installed for it)."""
@@ -150,9 +184,15 @@ class OffloadSynchronizer:
         progress was abandoned (see :meth:`ForwardPass.abandoned`: an exception
         between two layers, say).
         """
-        forward_pass = self._current
-        if forward_pass is None or forward_pass.forward_done or forward_pass.abandoned():
-            forward_pass = self._current = self._new_pass()
+        forward_pass = self.current_pass
+        if (
+            forward_pass is None
+            or forward_pass.forward_done
+            or forward_pass.backward_reached
+            or forward_pass.abandoned()
+        ):
+            forward_pass = self._new_pass()
+            self._set_current(forward_pass)
         layer = forward_pass.layers_forwarded
         forward_pass.layers_forwarded += 1
         self._on_forward(forward_pass, layer)
@@ -160,8 +200,9 @@ class OffloadSynchronizer:
 
     def fwd_end(self) -> None:
         """Called as a layer's forward ends; the last layer hands the pass to its graph."""
-        if self._current is not None and self._current.forward_done:
-            self._current = None
+        current = self.current_pass
+        if current is not None and current.forward_done:
+            self._set_current(None)
 
     def abort_forward(self) -> None:
         """End the pass in progress early: the next layer's forward starts a new pass.
@@ -170,14 +211,21 @@ class OffloadSynchronizer:
         graph saved: a backward through that graph still works, and the memory goes
         when the graph does.
         """
-        self._current = None
+        self._set_current(None)
 
-    def push_tensor(self, tensor: Any) -> Any:
-        """Hand a saved tensor to the layer whose forward is in progress."""
-        if self._current is None:
+    def push_tensor(self, tensor: Any, offload_base_tensor: bool = False) -> Any:
+        """Hand a tensor to the layer whose forward is in progress, by hand.
+
+        The layer holds it until the layer is released after its backward, whether or
+        not the handle is kept (TransformerEngine's contract); ``offload_base_tensor``
+        moves a view through its base, as :func:`cpu_offload.start_offload` does.
+        """
+        if offload_base_tensor and isinstance(tensor, torch.Tensor) and tensor._base is not None:
+            set_mark(tensor, offload_base=True)
+        current = self.current_pass
+        if current is None:
             raise CpuOffloadError("cpu_offload: push_tensor called outside a layer's forward.")
-        layer = self._current.layers_forwarded - 1
-        return self._current.layer_states[layer].push_tensor(tensor)
+        return current.layer_states[current.layers_forwarded - 1].push_by_hand(tensor)
 
     def pop_tensor(self, handle: Any) -> Any:
         """Give back a saved tensor (the handle knows its layer)."""
@@ -191,9 +239,10 @@ class OffloadSynchronizer:
     def bwd_step(self, layer: int, forward_pass: PassRef = None) -> None:
         """Called as backward reaches ``layer`` (before its backward runs)."""
         forward_pass = self.resolve_pass(forward_pass)
-        if forward_pass is self._current:
-            self._current = None  # backward reached a forward that ended early
-            if forward_pass._token is None:
+        if not forward_pass.backward_reached:
+            # A forward that ended early ends here: the next fwd_step starts a new pass.
+            forward_pass.backward_reached = True
+            if forward_pass._token is None and forward_pass is self.current_pass:
                 # Driven by hand (no context, no graph holds the pass): keep it until
                 # finish_part_of_bwd, as TransformerEngine's synchronizer keeps its states.
                 self._driven_by_hand = forward_pass
@@ -348,7 +397,12 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
         self._state(layer_id, forward_pass).start_reload()
 
     def _state(self, layer_id: int, forward_pass: PassRef) -> OffloadableLayerState:
-        if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(
+                f"cpu_offload: layer_id must be an int in [0, {self.num_layers - 1}], got "
+                f"{type(layer_id).__name__} {layer_id!r}."
+            )
+        if not 0 <= layer_id < self.num_layers:
             raise ValueError(
                 f"cpu_offload: layer_id must be an int in [0, {self.num_layers - 1}], "
                 f"got {layer_id!r}."

@@ -77,22 +77,37 @@ def _megatron_has_te() -> bool:
 
 
 class MegatronPatch:
-    """What :func:`patch` changed; :meth:`remove` puts the originals back."""
+    """What :func:`patch` changed; :meth:`remove` takes it back.
 
-    def __init__(self, originals: list[tuple[ModuleType, Any]], function: Callable) -> None:
-        self._originals = originals
+    Patches stack: the latest patch still in place is the one Megatron sees, and
+    removing the patches in any order ends with Megatron's own function.
+    """
+
+    def __init__(self, sites: list[ModuleType], function: Callable) -> None:
+        self._sites = sites
         self.function = function
 
     def remove(self) -> None:
-        for module, original in self._originals:
-            module.get_cpu_offload_context = original  # type: ignore[attr-defined]
-        self._originals = []
+        if self not in _active:
+            return
+        _active.remove(self)
+        for module in self._sites:
+            installed = [p.function for p in _active if module in p._sites]
+            if installed:
+                module.get_cpu_offload_context = installed[-1]  # type: ignore[attr-defined]
+            else:
+                module.get_cpu_offload_context = _originals.pop(module)  # type: ignore[attr-defined]
 
     def __enter__(self) -> MegatronPatch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+#: patches in place, oldest first, and what each site held before the first of them
+_active: list[MegatronPatch] = []
+_originals: dict[ModuleType, Any] = {}
 
 
 def patch(**options: Any) -> MegatronPatch:
@@ -121,14 +136,15 @@ def patch(**options: Any) -> MegatronPatch:
     def function(*args: Any, **kwargs: Any) -> tuple[Any, Callable[[Any], Any]]:
         return get_cpu_offload_context(*args, **{**options, **kwargs})
 
-    originals = []
+    sites = []
     for name in _SITES:
         try:
             module = block if name == _SITES[0] else importlib.import_module(name)
         except ImportError:
             continue  # the TE extension fails to import in some releases without TE
-        originals.append((module, getattr(module, "get_cpu_offload_context", None)))
+        _originals.setdefault(module, getattr(module, "get_cpu_offload_context", None))
         module.get_cpu_offload_context = function  # type: ignore[attr-defined]
+        sites.append(module)
     if not hasattr(block, "TransformerBlock"):  # pragma: no cover - a future layout
         warnings.warn(
             "cpu_offload: megatron.core.transformer.transformer_block has no "
@@ -136,4 +152,6 @@ def patch(**options: Any) -> MegatronPatch:
             UserWarning,
             stacklevel=2,
         )
-    return MegatronPatch(originals, function)
+    applied = MegatronPatch(sites, function)
+    _active.append(applied)
+    return applied

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..device import DeviceBackend, Event, Stream, override_host_backend
 from ..errors import CpuOffloadError
+from ..tensor_group import is_dense
 
 __all__ = ["SimulatedBackend", "StreamCounters", "StreamHazardError", "strict_streams"]
 
@@ -154,6 +155,12 @@ class _Copy:
         self.done = True
         with sim.suspended():
             src, dst = self.src.get(), self.dst.get()
+        if sim.counters.hazards and (src is None or dst is None or self.src.modified()):
+            # The program failed at its first hazard; this is its cleanup (a graph freed
+            # with the traceback, whose finalizer waits for the copies still queued),
+            # which must not raise again where nobody can catch it.
+            sim.counters.hazards += 1
+            return
         if src is None:
             sim.hazard(
                 f"the source of a queued copy, {self.describe()}, was freed before the copy "
@@ -419,8 +426,11 @@ class SimulatedBackend(DeviceBackend):
         with self.suspended():
             if dst.is_floating_point():
                 dst.fill_(float("nan"))
-            elif dst.is_contiguous():
-                dst.view(torch.uint8).fill_(_POISON_BYTE)
+            elif is_dense(dst):
+                # Its elements as one flat run of memory (an (N, 1) index tensor with
+                # strides (1, N) is contiguous but cannot be viewed as bytes itself).
+                flat = dst.as_strided((dst.numel(),), (1,), dst.storage_offset())
+                flat.view(torch.uint8).fill_(_POISON_BYTE)
         stream.queue.append(item)
         self.counters.copies_queued += 1
 

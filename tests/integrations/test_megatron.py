@@ -66,6 +66,28 @@ def test_patch_installs_and_remove_restores(megatron):
     assert block.get_cpu_offload_context is before
 
 
+@pytest.mark.parametrize("order", ["first-in-first-out", "last-in-first-out"])
+def test_two_patches_removed_in_any_order_restore_megatron(megatron, order):
+    import megatron.core.extensions.transformer_engine as extension
+    import megatron.core.transformer.transformer_block as block
+
+    before = (block.get_cpu_offload_context, extension.get_cpu_offload_context)
+    first = megatron_offload.patch()
+    second = megatron_offload.patch(min_offload_numel=0)
+    assert block.get_cpu_offload_context is second.function
+    if order == "first-in-first-out":
+        first.remove()
+        assert block.get_cpu_offload_context is second.function  # the latest stays
+        second.remove()
+    else:
+        second.remove()
+        assert block.get_cpu_offload_context is first.function
+        first.remove()
+    assert (block.get_cpu_offload_context, extension.get_cpu_offload_context) == before
+    first.remove()  # removing twice changes nothing
+    assert block.get_cpu_offload_context is before[0]
+
+
 def _saved_bytes_per_layer(model, data) -> list[int]:
     """Bytes of the non-parameter storages each decoder layer saves for backward."""
     seen: list[dict[int, int]] = []

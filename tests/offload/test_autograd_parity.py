@@ -363,6 +363,49 @@ def views_through_their_base(off: Offload) -> list[torch.Tensor]:
     return [x.grad, w3.grad, w2.grad]
 
 
+def integer_indices_from_nonzero(off: Offload) -> list[torch.Tensor]:
+    """Index tensors of nonzero ((N, 1), strides (1, N)) and argsort saved by gathers."""
+    x = leaf(64)
+
+    def gather_positive(h: torch.Tensor) -> torch.Tensor:
+        index = (h > 0).nonzero()  # saved by index_select
+        return h.index_select(0, index[:, 0]).sin().sum() * h
+
+    def sort_gather(h: torch.Tensor) -> torch.Tensor:
+        order = h.argsort()
+        return h.gather(0, order).exp()
+
+    chain([gather_positive, sort_gather, torch.tanh], x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def exception_inside_a_layer_then_a_step(off: Offload) -> list[torch.Tensor]:
+    """offload_layers: a step that raises inside a layer after it saved tensors, then a
+    step; the failed step's graph is dropped."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(L)]
+    off.layers(blocks)
+
+    def fail(module: Any, args: Any, output: Any) -> None:
+        raise RuntimeError("out of memory (simulated)")
+
+    for failing in (True, False):
+        hook = blocks[1][1].register_forward_hook(fail) if failing else None
+        x = leaf(8, 4)
+        h = x
+        try:
+            for block in blocks:
+                h = block(h)
+        except RuntimeError:
+            del h
+            continue
+        finally:
+            if hook is not None:
+                hook.remove()
+        h.sum().backward()
+    return [x.grad, *(p.grad for block in blocks for p in block.parameters())]
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -403,6 +446,8 @@ PROGRAMS = {
     "varying lengths, dropped forwards": Row(varying_lengths_and_dropped_forwards),
     "permuted saved tensors": Row(permuted_saved_tensors),
     "views through their base (qkv, SwiGLU)": Row(views_through_their_base),
+    "integer indices from nonzero and argsort": Row(integer_indices_from_nonzero),
+    "exception inside a layer, then a step": Row(exception_inside_a_layer_then_a_step),
 }
 
 

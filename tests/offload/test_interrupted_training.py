@@ -117,11 +117,11 @@ def test_interrupted_training_stays_in_step(api, between):
     assert all(want == got for want, got in observed), [o for o in observed if o[0] != o[1]][:5]
 
 
-def test_context_api_interrupted_between_layers_recovers_after_one_step():
-    """With the context API a forward left between two layers is still held by its own
-    saved tensors; the next backward ends it, so at most one step is out of step."""
+def test_context_api_interrupted_between_layers_keeps_every_step_in_step():
+    """A forward left between two layers (its output dropped) is not continued by the
+    next step: every finished step moves exactly the bytes a fresh context would."""
     expected, _, _ = train(None, between=True)
     actual, observed, after_interruption = train("context", between=True)
     assert all(torch.equal(a, b) for a, b in zip(expected, actual))
-    wrong = [index for index, (want, got) in enumerate(observed) if want != got]
-    assert all(after_interruption[index] for index in wrong)  # only the step right after
+    assert any(after_interruption)  # steps right after an interruption are among them
+    assert all(want == got for want, got in observed), [o for o in observed if o[0] != o[1]][:5]

@@ -128,7 +128,17 @@ def test_manual_illegal_orders_raise(streams):
         controller.start_reload_layer(0)
     with pytest.raises(ValueError, match=r"layer_id must be an int in \[0, 1\]"):
         controller.start_offload_layer(5)
+    for wrong in (True, 0.0, "0"):
+        with pytest.raises(TypeError, match=r"layer_id must be an int in \[0, 1\], got"):
+            controller.start_offload_layer(wrong)
     controller.start_offload_layer(0)
     with pytest.raises(OffloadStateError, match="OFFLOAD_STARTED"):
         controller.start_offload_layer(0)
     y.sum().backward()
+
+
+def test_offload_stream_that_is_not_a_stream_is_refused_at_the_call():
+    with pytest.raises(TypeError, match="offload_stream must be a stream of the device.*got str"):
+        get_cpu_offload_context(
+            True, model_layers=2, manual_synchronization=True, offload_stream="not a stream"
+        )

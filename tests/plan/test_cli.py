@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from cpu_offload.plan.__main__ import main
 
 
@@ -48,6 +50,7 @@ def test_the_module_runs(tmp_path):
 
 
 def test_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the bench extra; .ci/run installs it
     path = tmp_path / "plan.png"
     assert main(["--preset", "tiny", "--plot", str(path)]) == 0
     assert f"plot written to {path}" in capsys.readouterr().out
