@@ -102,3 +102,36 @@ def test_the_manual_controller():
         assert torch.equal(synchronizer.pop_tensor(handles[layer]), saved[layer])
     synchronizer.finish_part_of_bwd()
     assert synchronizer.stats.tensors_reloaded == layers
+
+
+def test_tensors_pushed_by_hand_are_held_until_released_with_handles_thrown_away():
+    """TransformerEngine's test_multiple_tensor_offload: the handles are not kept."""
+    synchronizer = DefaultOffloadSynchronizer(num_layers=2, num_offloaded_layers=1)
+    x = torch.randn(BIG)
+    nbytes = x.numel() * x.element_size()
+    synchronizer.fwd_step()
+    for _ in range(3):
+        synchronizer.push_tensor(x)
+    synchronizer.fwd_step()  # starts layer 0's offload: x once
+    assert synchronizer.stats.tensors_offloaded == 1
+    assert synchronizer.stats.bytes_offloaded == nbytes
+    assert synchronizer.get_offloaded_total_size_mb() == nbytes / 2**20
+    synchronizer.bwd_step(1)
+    synchronizer.bwd_step(0)
+    synchronizer.finish_part_of_bwd()  # layer 0 released: its host copy goes
+    assert synchronizer.host_memory_stats()["in_use_bytes"] == 0
+
+
+def test_a_view_pushed_by_hand_moves_through_its_base():
+    synchronizer = DefaultOffloadSynchronizer(num_layers=2, num_offloaded_layers=1)
+    x = torch.randn(2 * BIG[0], BIG[1])
+    halves = (x[::2], x[1::2])
+    synchronizer.fwd_step()
+    handles = [synchronizer.push_tensor(h, offload_base_tensor=True) for h in halves]
+    synchronizer.fwd_step()
+    assert synchronizer.stats.bytes_offloaded == x.numel() * x.element_size()  # the base, once
+    synchronizer.bwd_step(1)
+    synchronizer.bwd_step(0)
+    popped = [synchronizer.pop_tensor(h) for h in handles]
+    assert all(torch.equal(a, b) for a, b in zip(popped, halves))
+    synchronizer.finish_part_of_bwd()
