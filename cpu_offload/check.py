@@ -11,7 +11,6 @@ row FAILs.  ``--json PATH`` writes the rows and the environment.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import importlib.metadata
@@ -30,6 +29,7 @@ from torch import nn
 from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 
 from .bench.measure import measure_ceiling
+from .cli import Parser, device
 from .context import get_cpu_offload_context
 from .copy_timer import CopyTimer
 from .device import DeviceBackend, device_name, get_backend
@@ -335,12 +335,14 @@ def _timed() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cpu_offload.check", description=__doc__)
-    parser.add_argument("--device", help="cpu, cuda, npu, ... (default: the best available)")
+    parser = Parser(prog="python -m cpu_offload.check", description=__doc__)
+    parser.add_argument(
+        "--device", type=device, help="cpu, cuda, npu, ... (default: the best available)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    args = parser.parse_args(argv)
-    if args.device is None and importlib.util.find_spec("torch_npu") is not None:
+    if importlib.util.find_spec("torch_npu") is not None:
         importlib.import_module("torch_npu")  # registers the NPU, found only once imported
+    args = parser.parse_args(argv)
     with _timed():
         info, results = run_checks(args.device)
         print_table(info, results)

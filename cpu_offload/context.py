@@ -202,6 +202,7 @@ class OffloadContext:
         #: whether :attr:`inside_context` tells the truth (the Megatron integration turns
         #: it off where Megatron would assert that TransformerEngine is installed)
         self.report_inside_context = True
+        self._warned_layer_count = False
 
     @property
     def active(self) -> bool:
@@ -303,8 +304,9 @@ class OffloadContext:
     def sync_fn(self, tensor: Any) -> Any:
         """Mark the end of a layer: backward reaching ``tensor`` triggers the schedule.
 
-        Returns ``tensor`` itself; a tensor that does not require grad (evaluation,
-        ``torch.no_grad``) is passed through untouched.
+        Returns ``tensor`` itself. Anything else passes through untouched: a tensor that
+        does not require grad (evaluation, ``torch.no_grad``), ``None``, a tuple (call it
+        on the tensor the next layer takes).
         """
         frame = self._layer
         if frame.inside:
@@ -326,6 +328,8 @@ class OffloadContext:
                 "it. Call it once after each `with ctx:` block, on the layer's output."
             )
         layer = frame.last_layer
+        if layer == 0 and forward_pass.follows is not None:
+            self._check_layer_count(forward_pass)
         hooked = forward_pass.hooked_output() if forward_pass.hooked_output else None
         if hooked is tensor:
             # The layer returned its input (an identity or skipped block): its backward
@@ -337,6 +341,27 @@ class OffloadContext:
         forward_pass.hooked_output = weakref.ref(tensor)
         forward_pass.hooked_layers = layers
         return tensor
+
+    def _check_layer_count(self, forward_pass: ForwardPass) -> None:
+        """Warn when the last layer's output went into another layer under the context:
+        more layers run per forward pass than ``model_layers`` says."""
+        previous = forward_pass.follows() if forward_pass.follows is not None else None
+        forward_pass.follows = None
+        output = previous._last_output if previous is not None else None
+        if output is None or output.expired() or self._warned_layer_count:
+            return
+        if forward_pass.layer_states[0].holds_storage(output.cdata):
+            self._warned_layer_count = True
+            synchronizer = self.offload_synchronizer
+            warnings.warn(
+                f"cpu_offload: more layers ran under the context than model_layers="
+                f"{synchronizer.num_layers}: the output of layer {synchronizer.num_layers - 1} "
+                "(the last) went into another `with ctx:` layer, which was counted as layer "
+                "0 of a new forward pass. Pass model_layers equal to the number of "
+                "`with ctx:` blocks in one forward pass. This warning is shown once.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _backward_hook(self, forward_pass: ForwardPass, layers: list[int]) -> Callable:
         synchronizer = self.offload_synchronizer
@@ -354,6 +379,15 @@ class OffloadContext:
         # Compiled autograd traces Python hooks with dynamo; this one drives the
         # offload schedule (copies, events, engine callbacks) and must run as written.
         return torch._dynamo.disable(on_backward, recursive=True)
+
+
+def _check_flags(**flags: object) -> None:
+    """The on/off parameters are bools (``enabled="yes"`` is a mistake, not True)."""
+    for name, value in flags.items():
+        if type(value).__name__ not in ("bool", "bool_"):  # bool, numpy.bool_
+            raise TypeError(
+                f"cpu_offload: {name} must be True or False, got {type(value).__name__} {value!r}."
+            )
 
 
 def _validate(
@@ -506,6 +540,14 @@ def get_cpu_offload_context(
         ...     x = sync_fn(x)
         >>> x.sum().backward()
     """
+    _check_flags(
+        enabled=enabled,
+        offload_activations=offload_activations,
+        offload_weights=offload_weights,
+        double_buffering=double_buffering,
+        manual_synchronization=manual_synchronization,
+        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+    )
     del double_buffering  # accepted for compatibility
     if enabled:
         _validate(

@@ -432,17 +432,38 @@ def available_device_type() -> str:
     return "cpu"
 
 
+def check_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device`` of a type this package can use.
+
+    Raises:
+        ValueError: not a device string, or a device type without streams here.
+        TypeError: neither a string nor a ``torch.device``.
+    """
+    allowed = ", ".join(repr(t) for t in ("cpu",) + _STREAM_DEVICE_TYPES)
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"cpu_offload: device must be a string such as 'cuda' or 'cuda:1', or a "
+            f"torch.device; got {type(device).__name__} {device!r}."
+        )
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu",) + _STREAM_DEVICE_TYPES:
+        raise ValueError(
+            f"cpu_offload: device={str(device)!r} is not a device this offloader can use: "
+            f"expected one of {allowed}, optionally with an index ('cuda:1'). The best "
+            f"available here is {available_device_type()!r}."
+        )
+    return parsed
+
+
 def get_backend(device: torch.device | str | None = None) -> DeviceBackend:
     """The backend for ``device``; ``None`` picks the best available device."""
-    device = torch.device(available_device_type() if device is None else device)
+    device = torch.device(available_device_type()) if device is None else check_device(device)
     if device.type == "cpu":
         factory = _host_backend_factory.get()
         return factory() if factory is not None else HostBackend()
-    if device.type not in _STREAM_DEVICE_TYPES:
-        raise ValueError(
-            f"cpu_offload: unsupported device {device}; expected one of "
-            f"{('cpu',) + _STREAM_DEVICE_TYPES}."
-        )
     runtime = _runtime_module(device.type)
     if not runtime.is_available():
         raise RuntimeError(

@@ -54,6 +54,8 @@ class ForwardPass:
         self.previous_bwd_layer: int | None = None
         self.finish_queued = False
         self.backward_reached = False
+        #: the pass whose forward had ended when this one started (weak)
+        self.follows: weakref.ref[ForwardPass] | None = None
         self.hooked_output: weakref.ref[torch.Tensor] | None = None
         self.hooked_layers: list[int] = []
         self._last_output: StorageWeakRef | None = None

@@ -352,6 +352,12 @@ def offload_layers(
     layers = find_layers(model)
     manual = bool(options.get("manual_synchronization", False))
     count = _resolve_count(num_offloaded_layers, len(layers))
+    if not manual and not 0 <= count <= len(layers) - 1:
+        raise ValueError(
+            f"offload_layers: k={num_offloaded_layers!r} but {len(layers)} layers were found "
+            f"(in {type(model).__name__}); k must be an int in 0..{len(layers) - 1} (the "
+            "last layer is never offloaded) or a fraction in [0, 1)."
+        )
     result = get_cpu_offload_context(True, count, len(layers), **options)
     owners = [model] if isinstance(model, nn.Module) else []
     mark_not_offload(*{id(b): b for m in owners + layers for b in m.buffers()}.values())

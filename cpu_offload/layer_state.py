@@ -263,6 +263,8 @@ class OffloadableLayerState:
         self.reload_advice = "Call the sync function on every layer's output to prefetch it."
         self.state = LayerState.NOT_OFFLOADED
         self.generation = 0
+        #: the most elements of a tensor kept only for being under ``min_offload_numel``
+        self.largest_below_threshold = 0
         self._lease: weakref.ref[_Lease] | None = None  # weak: handles own the lease
         self._held_lease: _Lease | None = None  # strong: tensors pushed by hand
         self._reset_data()
@@ -313,6 +315,12 @@ class OffloadableLayerState:
         if kind is not torch.Tensor:
             return _Kept(tensor, self) if kind is torch.nn.Parameter else self._push_other(tensor)
         if not is_offloadable(tensor, self.backend.device, self.min_offload_numel):
+            numel = tensor.numel()
+            if (
+                self.largest_below_threshold < numel < self.min_offload_numel
+                and type(tensor._base) is not torch.nn.Parameter  # a weight's view
+            ):
+                self.largest_below_threshold = numel
             return _Kept(tensor, self)
         marks = marks_of(tensor)
         event = marks.ready_event if marks is not None else None
@@ -568,6 +576,11 @@ class OffloadableLayerState:
             self._in_flight = []
 
     # -------------------------------------------------------------- queries
+
+    def holds_storage(self, cdata: int) -> bool:
+        """Whether a tensor pushed to be offloaded, not yet copied, lives in the storage
+        ``cdata`` (a ``StorageWeakRef``'s)."""
+        return any(t.untyped_storage()._cdata == cdata for t in self._pushed.tensor_list)
 
     @property
     def num_offloaded_tensors(self) -> int:

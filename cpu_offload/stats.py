@@ -27,6 +27,15 @@ class OffloadStats:
     on_demand_reloads: int = 0
     forward_passes: int = 0
 
+    def __str__(self) -> str:
+        """One line of what moved, as the docs' examples print it."""
+        return (
+            f"moved {self.tensors_offloaded} tensors ({self.bytes_offloaded / 2**20:.2f} MiB) "
+            f"to the host and {self.tensors_reloaded} ({self.bytes_reloaded / 2**20:.2f} MiB) "
+            f"back in {self.forward_passes} forward passes"
+            + (f", {self.on_demand_reloads} reloaded on demand" if self.on_demand_reloads else "")
+        )
+
     def count(self, direction: str, tensors: int, nbytes: int) -> None:
         """Add copies of ``direction`` ``"d2h"`` (offload) or ``"h2d"`` (reload)."""
         if direction == "d2h":

@@ -9,6 +9,7 @@ as long as its autograd graph.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -39,6 +40,7 @@ class _ForwardInProgress(threading.local):
     """The forward pass a thread is running (see NOTE [Who owns a forward pass])."""
 
     current: ForwardPass | None = None
+    finished: weakref.ref[ForwardPass] | None = None  # the last pass whose forward ended
 
 
 class OffloadSynchronizer:
@@ -93,6 +95,8 @@ class OffloadSynchronizer:
         self.min_offload_numel = min_offload_numel
         self.stats = OffloadStats()
         self.copy_timer: CopyTimer | None = None  # set by benchmarks to time copies
+        #: warn (once) when a whole forward pass moved nothing because of the threshold
+        self.warn_if_nothing_moved = True
         self._forwarding = _ForwardInProgress()  # per thread
         self._driven_by_hand: ForwardPass | None = None  # see bwd_step
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
@@ -192,6 +196,7 @@ class OffloadSynchronizer:
             or forward_pass.abandoned()
         ):
             forward_pass = self._new_pass()
+            forward_pass.follows, self._forwarding.finished = self._forwarding.finished, None
             self._set_current(forward_pass)
         layer = forward_pass.layers_forwarded
         forward_pass.layers_forwarded += 1
@@ -203,6 +208,8 @@ class OffloadSynchronizer:
         current = self.current_pass
         if current is not None and current.forward_done:
             self._set_current(None)
+            self._forwarding.finished = weakref.ref(current)
+            self._on_forward_end(current)
 
     def abort_forward(self) -> None:
         """End the pass in progress early: the next layer's forward starts a new pass.
@@ -233,6 +240,9 @@ class OffloadSynchronizer:
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
         """Policy hook: the forward of ``layer`` starts."""
+
+    def _on_forward_end(self, forward_pass: ForwardPass) -> None:
+        """Policy hook: the forward of the pass's last layer ended."""
 
     # -------------------------------------------------------- backward
 
@@ -346,6 +356,24 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             states[layer - 1].start_offload()
         for released in self.release_schedule[layer]:
             states[released].release_activation_forward_gpu_memory()
+
+    def _on_forward_end(self, forward_pass: ForwardPass) -> None:
+        if not self.warn_if_nothing_moved or self.num_offloaded_layers == 0:
+            return
+        states = forward_pass.layer_states[: self.num_offloaded_layers]
+        largest = max(state.largest_below_threshold for state in states)
+        if largest and not any(state.num_offloaded_tensors for state in states):
+            self.warn_if_nothing_moved = False  # once
+            warnings.warn(
+                f"cpu_offload: a forward pass offloaded nothing: every tensor its "
+                f"{self.num_offloaded_layers} offloaded layers saved has fewer elements than "
+                f"min_offload_numel={self.min_offload_numel} (the largest had {largest}). "
+                "Pass a smaller min_offload_numel (0 moves every tensor) to offload them; on "
+                "a GPU, copies this small cost more in launch time than they save. This "
+                "warning is shown once.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
         for reloaded in self.reload_schedule[layer]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,12 @@ BLOCKS = [
 
 
 HOSTS = ("transformers", "torchtune", "peft", "megatron")
+#: an example that calls one of these offloads something, and must print what moved
+OFFLOADING = re.compile(
+    r"get_cpu_offload_context|offload_layers\(|OffloadCallback\(|get_act_offloading_ctx_manager|"
+    r"OffloadSynchronizer\("
+)
+MOVED = re.compile(r"moved ([1-9]\d*) tensors \((\d+\.\d+) MiB\) to the host")
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -25,7 +34,13 @@ def test_doc_block_runs(block):
     for host in HOSTS:  # a block using a host library needs it installed
         if re.search(rf"^\s*(import|from) {host}\b", block, re.M):
             require(host)
-    exec(compile(block, "<doc>", "exec"), {"__name__": "__doc_example__"})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), warnings.catch_warnings():
+        # An example that moves nothing (every tensor under the threshold) teaches nothing.
+        warnings.filterwarnings("error", "cpu_offload: a forward pass offloaded nothing")
+        exec(compile(block, "<doc>", "exec"), {"__name__": "__doc_example__"})
+    if OFFLOADING.search(block):
+        assert MOVED.search(out.getvalue()), f"the example prints no bytes moved: {out.getvalue()}"
 
 
 def test_there_are_doc_blocks():

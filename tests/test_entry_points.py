@@ -48,9 +48,20 @@ def test_demo_prints_table_and_matches(capsys):
     assert "on a GPU this table shows the measured peak" in out
 
 
-def test_demo_rejects_single_layer():
-    with pytest.raises(SystemExit, match="--layers must be at least 2"):
+def test_demo_rejects_single_layer(capsys):
+    with pytest.raises(SystemExit) as exit_info:
         main(["--layers", "1"])
+    assert exit_info.value.code == 2
+    assert "argument --layers: '1': expected an int >= 2" in capsys.readouterr().err
+
+
+def test_demo_prints_a_line_per_configuration_as_it_runs(capsys):
+    main(["--layers", "2", "--hidden", "32", "--seq", "8", "--batch", "1", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert "training 1 steps without offload ... " in out
+    assert "training 1 steps offloading k=1 of 2 layers ... " in out
+    assert out.index("offloading k=1") < out.index("grads bit-identical")  # before the table
+    assert "Step times on a CPU are noisy and not the point here" in out
 
 
 def test_basic_example(capsys):

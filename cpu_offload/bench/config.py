@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..cli import Parser, at_least, device, int_list
 from ..models import DTYPES
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
-__all__ = ["DTYPES", "PRESETS", "BenchConfig", "parse_args"]
+__all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
+
+#: the modes ``--modes`` accepts (``offload`` is one mode per k; ``offload:K`` one k)
+MODES = ("none", "offload", "save_on_cpu", "checkpoint", "torchtune")
 
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -62,6 +65,7 @@ PRESETS: dict[str, dict[str, object]] = {
 @dataclass
 class BenchConfig:
     preset: str
+    threads: int | None
     hidden: int
     heads: int
     kv_heads: int
@@ -82,26 +86,36 @@ class BenchConfig:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m cpu_offload.bench",
         description="Benchmark activation offload against the peers on a Llama-like stack.",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    for name in ("hidden", "heads", "kv-heads", "ffn", "seq", "batch", "layers", "warmup", "steps"):
-        parser.add_argument(f"--{name}", type=int, default=None)
+    for name in ("hidden", "heads", "kv-heads", "ffn", "seq", "batch", "layers", "steps"):
+        parser.add_argument(f"--{name}", type=at_least(1), default=None)
+    parser.add_argument("--warmup", type=at_least(0), default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
-    parser.add_argument("--offload", default=None, help="comma-separated k values for ours")
+    parser.add_argument(
+        "--offload", type=int_list(1), default=None, help="comma-separated k values for ours"
+    )
+    parser.add_argument(
+        "--threads",
+        type=at_least(1),
+        default=None,
+        help="torch intra-op threads on a CPU (default 1: several threads on a shared "
+        "machine oversubscribe it and step times swing tenfold)",
+    )
     parser.add_argument(
         "--modes",
         default="none,offload,save_on_cpu,checkpoint,torchtune",
         help="comma-separated: none, offload (one mode per k), offload:K, save_on_cpu, "
         "checkpoint, torchtune",
     )
-    parser.add_argument("--device", default=None, help="cpu, cuda, npu, xpu (default: best)")
-    parser.add_argument("--min-offload-numel", type=int, default=DEFAULT_MIN_OFFLOAD_NUMEL)
+    parser.add_argument("--device", type=device, default=None, help="cpu, cuda, npu, xpu")
+    parser.add_argument("--min-offload-numel", type=at_least(0), default=DEFAULT_MIN_OFFLOAD_NUMEL)
     parser.add_argument(
         "--ceiling-mib",
-        type=int,
+        type=at_least(1),
         default=None,
         help="size of the raw copy that measures the link (default: 1024 on "
         "an accelerator, 64 on the CPU)",
@@ -125,14 +139,26 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     ):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
-    ks = [int(k) for k in str(values.pop("offload")).split(",") if k]
-    if any(not 0 < k < int(str(values["layers"])) for k in ks):
-        parser.error(f"--offload values must be in 1..layers-1, got {ks}")
+    offload = values.pop("offload")
+    ks = offload if isinstance(offload, list) else [int(k) for k in str(offload).split(",") if k]
+    layers = int(str(values["layers"]))
+    if any(not 0 < k < layers for k in ks):
+        parser.error(
+            f"--offload {','.join(map(str, ks))}: expected values in 1..{layers - 1} "
+            f"(--layers {layers}; the last layer is never offloaded)"
+        )
     modes: list[str] = []
     for mode in args.modes.split(","):
+        known = mode in MODES or (mode.startswith("offload:") and mode[8:].isdigit())
+        if not known:
+            parser.error(
+                f"--modes {args.modes}: unknown mode {mode!r}; expected a comma-separated "
+                f"list of {', '.join(MODES)} or offload:K"
+            )
         modes.extend(f"offload:{k}" for k in ks) if mode == "offload" else modes.append(mode)
     return BenchConfig(
         preset=args.preset,
+        threads=args.threads,
         offload=ks,
         modes=modes,
         device=args.device,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..device import device_name, get_backend
+from ..device import available_device_type, device_name, get_backend
 from ..models.llama import LlamaConfig, LlamaLayer
 from .config import DTYPES, BenchConfig, parse_args
 from .hooks import measure_hook_costs, print_hook_costs
@@ -87,8 +87,20 @@ def _derive(results: list[ModeResult], layers: int) -> None:
             r.analytic_end_of_forward_bytes = int(r.baseline_bytes + (layers - k) * per_layer)
 
 
+def _set_threads(config: BenchConfig) -> int:
+    """One intra-op thread on a CPU unless ``--threads`` says otherwise (see its help)."""
+    on_cpu = (torch.device(config.device).type if config.device else available_device_type()) == (
+        "cpu"
+    )
+    if config.threads is not None or on_cpu:
+        torch.set_num_threads(config.threads or 1)
+    return torch.get_num_threads()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
+    threads = _set_threads(config)
+    print(f"torch intra-op threads: {threads} (--threads)", flush=True)
     if config.preset == "hooks":
         return _main_hooks(config)
     results, ceiling, environment = run_benchmark(config)

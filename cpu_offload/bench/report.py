@@ -92,27 +92,35 @@ def write_plot(path: str, results: list[ModeResult], title: str) -> str | None:
         points = [m for _, _, m in r.memory_trace if m is not None]
         if points and len(points) == len(r.memory_trace):
             memory.plot([p / 2**20 for p in points], marker=".", label=r.mode)
-    memory.set_xlabel("layer boundary (forward, then backward)")
-    memory.set_ylabel("allocated device memory (MiB)")
-    memory.set_title("(a) device memory through a step")
     if memory.lines:
+        memory.set_xlabel("layer boundary (forward, then backward)")
+        memory.set_ylabel("allocated device memory (MiB)")
+        memory.set_title("(a) device memory through a step")
         memory.legend(fontsize=8)
-    else:
-        memory.text(
-            0.5, 0.5, "this device does not report memory", ha="center", transform=memory.transAxes
-        )
+    else:  # a device that reports no memory (the CPU): what was measured instead
+        timed = [r for r in ran if r.median_step_ms is not None]
+        memory.bar([r.mode for r in timed], [r.median_step_ms or 0.0 for r in timed])
+        for index, r in enumerate(timed):
+            if r.spread_ms is not None:
+                low, high = r.spread_ms
+                memory.plot([index, index], [low, high], color="black")
+        memory.set_ylabel("step time (ms): median, min-max")
+        memory.set_title("(a) step time per mode (this device reports no memory)")
+        memory.tick_params(axis="x", labelrotation=30, labelsize=8)
+    pareto_memory = any(r.memory_saved_bytes is not None for r in ran)
     for r in ran:
-        if r.overhead_pct is not None and r.memory_saved_bytes is not None:
-            saved = r.memory_saved_bytes / 2**20
-            pareto.scatter(saved, r.overhead_pct)
-            pareto.annotate(r.mode, (saved, r.overhead_pct), fontsize=8)
-    if not pareto.collections:
-        pareto.text(
-            0.5, 0.5, "this device does not report memory", ha="center", transform=pareto.transAxes
-        )
-    pareto.set_xlabel("memory saved at the end of forward (MiB)")
+        saved = r.memory_saved_bytes if pareto_memory else r.bytes_offloaded_per_step
+        if r.overhead_pct is not None and saved is not None:
+            pareto.scatter(saved / 2**20, r.overhead_pct)
+            pareto.annotate(r.mode, (saved / 2**20, r.overhead_pct), fontsize=8)
+    pareto.axhline(0.0, color="grey", linewidth=0.5)
+    if pareto_memory:
+        pareto.set_xlabel("memory saved at the end of forward (MiB)")
+        pareto.set_title("(b) overhead against memory saved")
+    else:
+        pareto.set_xlabel("MiB moved to the host per step")
+        pareto.set_title("(b) overhead against bytes moved (this device reports no memory)")
     pareto.set_ylabel("step-time overhead vs none (%)")
-    pareto.set_title("(b) overhead against memory saved")
     figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

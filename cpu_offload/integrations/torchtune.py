@@ -51,10 +51,12 @@ class OffloadLayersContext:
 
     Attributes:
         handle: the :class:`~cpu_offload.OffloadLayersHandle` of the layers.
+        offload_synchronizer: its synchronizer (``.stats`` count what moved).
     """
 
     def __init__(self, handle: OffloadLayersHandle) -> None:
         self.handle = handle
+        self.offload_synchronizer = handle.offload_synchronizer
         handle.enabled = False
 
     def __enter__(self) -> OffloadLayersContext:

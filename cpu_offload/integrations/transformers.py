@@ -18,6 +18,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..layer_hooks import OffloadLayersHandle, offload_layers
+from ..stats import OffloadStats
 
 __all__ = ["OffloadCallback"]
 
@@ -38,12 +39,14 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
     Attributes:
         handle: the :class:`~cpu_offload.OffloadLayersHandle` while training (its
             ``offload_synchronizer.stats`` count what moved), else None.
+        stats: what moved in the latest ``train()`` (kept after it ends), or None.
     """
 
     def __init__(self, num_offloaded_layers: int | float, **options: Any) -> None:
         self.num_offloaded_layers = num_offloaded_layers
         self.options = options
         self.handle: OffloadLayersHandle | None = None
+        self.stats: OffloadStats | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
@@ -55,6 +58,7 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
             )
         self._remove()  # a train() that raised never reached on_train_end
         self.handle = offload_layers(model, self.num_offloaded_layers, **self.options)
+        self.stats = self.handle.offload_synchronizer.stats
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove()

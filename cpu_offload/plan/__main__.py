@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ..cli import Parser, at_least, positive_float
 from ..models import DTYPES
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .census import ATTENTIONS, measure_layer
@@ -16,34 +17,52 @@ from .profiles import PROFILES, get_profile, with_flops
 from .schedule_model import Plan, plan_offload
 
 GIB = 2**30
+PLAN_PRESETS = ["tiny", "llama8b-layer"]
 GPT_LAYERS = 32  # the stack a --gpt layer is planned in, unless --layers says otherwise
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+def _fraction(text: str) -> float:
+    """An argparse type: a float >= 0 (an overhead as a fraction: 0.02 is 2%)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction >= 0, such as 0.02")
+    return value
+
+
+def parser() -> Parser:
+    parser = Parser(
         prog="python -m cpu_offload.plan",
         description="Predict activation memory and copy overhead of offloading k layers, "
         "from the model's shapes (measured on the meta device; nothing is allocated).",
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", default=None, help="tiny or llama8b-layer (the default)")
+    source.add_argument(
+        "--preset", choices=PLAN_PRESETS, default=None, help="llama8b-layer by default"
+    )
     source.add_argument("--hf-config", help="a local config.json (or folder), or a cached model")
     source.add_argument("--gpt", action="store_true", help="a GPT layer (Korthikanti et al.)")
-    parser.add_argument("--hidden", type=int, default=4096, help="--gpt only")
-    parser.add_argument("--heads", type=int, default=32, help="--gpt only")
-    parser.add_argument("--seq", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=None, help="L (default: the model's)")
+    parser.add_argument("--hidden", type=at_least(1), default=4096, help="--gpt only")
+    parser.add_argument("--heads", type=at_least(1), default=32, help="--gpt only")
+    parser.add_argument("--seq", type=at_least(1), default=None)
+    parser.add_argument("--batch", type=at_least(1), default=None)
+    parser.add_argument("--layers", type=at_least(2), default=None, help="L (default: the model's)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--gpt, HF")
     parser.add_argument("--attention", choices=ATTENTIONS, default="flash")
     parser.add_argument("--device", default="h100", help=f"{', '.join(PROFILES)}, or a JSON file")
-    parser.add_argument("--flops", type=float, default=None, help="FLOP/s to assume instead")
-    parser.add_argument("--min-offload-numel", type=int, default=DEFAULT_MIN_OFFLOAD_NUMEL)
-    parser.add_argument("--overhead", type=float, default=0.02, help="allowed step overhead")
-    parser.add_argument("--memory-budget", type=float, default=None, help="GiB of activations")
+    parser.add_argument(
+        "--flops", type=positive_float, default=None, help="FLOP/s to assume instead"
+    )
+    parser.add_argument("--min-offload-numel", type=at_least(0), default=DEFAULT_MIN_OFFLOAD_NUMEL)
+    parser.add_argument("--overhead", type=_fraction, default=0.02, help="allowed step overhead")
+    parser.add_argument(
+        "--memory-budget", type=positive_float, default=None, help="GiB of activations"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also plot memory and overhead per k")
-    return parser.parse_args(argv)
+    return parser
 
 
 def layer_spec(args: argparse.Namespace) -> LayerSpec:
@@ -140,13 +159,18 @@ def write_plot(plan: Plan, path: str) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
+    if args.gpt and args.hidden % args.heads:
+        cli.error(f"--hidden {args.hidden}: expected a multiple of --heads {args.heads}")
     try:
-        spec = layer_spec(args)
         device = with_flops(get_profile(args.device), args.flops)
     except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        cli.error(f"--device {args.device}: {error}")
+    try:
+        spec = layer_spec(args)
+    except (ValueError, OSError) as error:
+        cli.error(str(error))
     profile = measure_layer(
         spec.make_layer,
         spec.inputs,

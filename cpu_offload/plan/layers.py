@@ -3,7 +3,10 @@ Korthikanti et al. 2022 (section 4.1), and a Hugging Face config's own decoder l
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +109,41 @@ def gpt_layer(
     )
 
 
+def check_hf_config(config_source: str) -> str:
+    """Where transformers should read ``config_source`` from, after checking what can be
+    checked without it: a local ``config.json`` (or a folder holding one) must exist and
+    be a JSON object with ``model_type``; anything else is a cached model name, which
+    needs transformers.
+
+    Raises:
+        ValueError: a missing or malformed file, or a name without transformers installed.
+    """
+    path = config_source
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if os.path.exists(path) or config_source.endswith(".json"):
+        if not os.path.isfile(path):
+            raise ValueError(f"--hf-config {config_source}: no such file (expected a config.json)")
+        try:
+            with open(path) as file:
+                config = json.load(file)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"--hf-config {config_source}: not a JSON file ({error})") from None
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise ValueError(
+                f"--hf-config {config_source}: expected a Hugging Face config.json, a JSON "
+                "object with a model_type field"
+            )
+        return os.path.dirname(os.path.abspath(path))
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(
+            f"--hf-config {config_source}: not a local file; a model name is read from the "
+            "Hugging Face cache, which needs transformers (pip install transformers), or "
+            "pass the path of its config.json"
+        )
+    return config_source
+
+
 def hf_layer(
     config_source: str, seq: int, batch: int, dtype: torch.dtype, attention: str
 ) -> LayerSpec:
@@ -116,15 +154,18 @@ def hf_layer(
     ``attn_implementation="eager"``, ``"flash"`` with ``"sdpa"``.  The layer's inputs are
     captured from a forward of the whole model on the meta device.
     """
+    source = check_hf_config(config_source)
     import transformers  # the planner's optional host
     from transformers import masking_utils
 
-    source = (
-        config_source[: -len("config.json")]
-        if config_source.endswith("config.json")
-        else config_source
-    )
-    config = transformers.AutoConfig.from_pretrained(source or ".", local_files_only=True)
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(
+            f"--hf-config {config_source}: neither a local config.json nor a model in the "
+            f"Hugging Face cache (nothing is downloaded): {first_line}"
+        ) from None
     config._attn_implementation = "eager" if attention == "math" else "sdpa"
     config.use_cache = False
     with torch.device("meta"):

@@ -73,7 +73,7 @@ def test_disabled_returns_null_context_and_identity():
         (dict(num_layers=0, model_layers=0), "model_layers must be an int >= 1"),
         (dict(offload_stream=object()), "only with manual_synchronization=True"),
         (dict(min_offload_numel=-1), "min_offload_numel must be an int >= 0"),
-        (dict(device="meta"), "unsupported device meta"),
+        (dict(device="meta"), "device=.meta. is not a device this offloader can use"),
     ],
     ids=["nothing", "k_eq_L", "k_negative", "k_none", "L_zero", "stream", "numel", "device"],
 )

@@ -34,7 +34,9 @@ def test_a_budget_nothing_fits_says_to_checkpoint(capsys):
 
 
 def test_unknown_device_is_an_error_with_the_choices(capsys):
-    assert main(["--preset", "tiny", "--device", "tpu"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "tiny", "--device", "tpu"])
+    assert exit_info.value.code == 2
     assert "unknown device profile 'tpu': use one of h100, h200" in capsys.readouterr().err
 
 

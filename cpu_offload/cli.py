@@ -1,0 +1,85 @@
+"""What the command-line tools share: bad input becomes one line and exit status 2.
+
+Every tool (``python -m cpu_offload``, ``.plan``, ``.bench``, ``.check``) builds its
+parser with :class:`Parser` and its numbers with the types below, so a wrong flag reads
+``prog: error: --seq -5: expected an int >= 1`` rather than a traceback from deep inside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+__all__ = ["Parser", "at_least", "device", "int_list", "positive_float"]
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _flag_error(expected: str) -> Callable[[str], NoReturn]:
+    def fail(text: str) -> NoReturn:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+
+    return fail
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int ``>= minimum``."""
+    expected = f"an int >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            _flag_error(expected)(text)
+        if value < minimum:
+            _flag_error(expected)(text)
+        return value
+
+    parse.__name__ = expected  # argparse names the type in some messages
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        _flag_error("a number > 0")(text)
+    if not value > 0 or value == float("inf"):
+        _flag_error("a number > 0")(text)
+    return value
+
+
+def int_list(minimum: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated ints ``>= minimum`` (``1,2,3``)."""
+    expected = f"comma-separated ints >= {minimum}, such as 1,2,3"
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            _flag_error(expected)(text)
+        if not values or any(v < minimum for v in values):
+            _flag_error(expected)(text)
+        return values
+
+    return parse
+
+
+def device(text: str) -> str:
+    """An argparse type: a device this package can use and this machine has."""
+    from .device import get_backend
+
+    try:
+        get_backend(text)
+    except (ValueError, RuntimeError) as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("cpu_offload: ")) from None
+    return text
