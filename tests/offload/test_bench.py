@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 
 import pytest
@@ -56,10 +57,29 @@ FIGURES = [
 ]
 
 
-def test_smoke_run_reports_every_figure(tmp_path, capsys):
+def test_smoke_run_reports_every_figure(tmp_path, capsys, monkeypatch):
+    threads = torch.get_num_threads()
+    drawn: list[str] = []
+    if importlib.util.find_spec("matplotlib") is not None:
+        import matplotlib.axes
+
+        # What the plot shows on a CPU, which reports no memory: what was measured.
+        monkeypatch.setattr(
+            matplotlib.axes.Axes, "set_title", lambda self, t, *a, **k: drawn.append(t)
+        )
     report, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert main([*SMALL, "--json", str(report), "--plot", str(plot)]) == 0
+    try:
+        assert main([*SMALL, "--json", str(report), "--plot", str(plot)]) == 0
+        assert torch.get_num_threads() == 1  # one intra-op thread on a CPU by default
+    finally:
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
+    assert "torch intra-op threads: 1 (--threads)" in out
+    if drawn:
+        assert drawn == [
+            "(a) step time per mode (this device reports no memory)",
+            "(b) overhead against bytes moved (this device reports no memory)",
+        ]
     assert "raw copy ceiling" in out and "measuring 2 interleaved steps per mode" in out
     document = json.loads(report.read_text())
     assert document["environment"]["torch"] == torch.__version__
