@@ -450,6 +450,8 @@ def get_cpu_offload_context(
     *,
     device: torch.device | str | None = ...,
     min_offload_numel: int = ...,
+    min_offload_bytes: int = ...,
+    max_host_bytes: int | None = ...,
 ) -> tuple[ContextManager, SyncFn]: ...
 
 
@@ -467,6 +469,8 @@ def get_cpu_offload_context(
     offload_stream: Any = ...,
     device: torch.device | str | None = ...,
     min_offload_numel: int = ...,
+    min_offload_bytes: int = ...,
+    max_host_bytes: int | None = ...,
 ) -> tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]: ...
 
 
@@ -484,6 +488,8 @@ def get_cpu_offload_context(
     *,
     device: torch.device | str | None = ...,
     min_offload_numel: int = ...,
+    min_offload_bytes: int = ...,
+    max_host_bytes: int | None = ...,
 ) -> _Result: ...
 
 
@@ -500,6 +506,8 @@ def get_cpu_offload_context(
     *,
     device: torch.device | str | None = None,
     min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
+    min_offload_bytes: int = 0,
+    max_host_bytes: int | None = None,
 ) -> _Result:
     """Offload the activations of chosen layers to host memory.
 
@@ -521,6 +529,12 @@ def get_cpu_offload_context(
         offload_stream: stream for the copies (manual synchronization only).
         device: device whose activations are offloaded; default the best available.
         min_offload_numel: saved tensors with fewer elements stay on the device.
+        min_offload_bytes: saved tensors of fewer bytes stay on the device (torchtune's
+            ``min_offload_size``; a threshold in elements keeps twice the bytes in fp32
+            that it keeps in bf16).
+        max_host_bytes: the most host memory (pinned on accelerators) the offloader may
+            hold, for ranks that share a host; a tensor that does not fit stays on the
+            device, counted in ``stats.tensors_kept_by_host_cap``, with one warning.
 
     Returns:
         ``(context, sync_fn)``, or ``(context, sync_fn, controller)`` in manual mode.
@@ -571,6 +585,8 @@ def get_cpu_offload_context(
             offload_stream,
             device=device,
             min_offload_numel=min_offload_numel,
+            min_offload_bytes=min_offload_bytes,
+            max_host_bytes=max_host_bytes,
         )
         manual = OffloadContext(controller)
         return manual, manual.sync_fn, controller
@@ -580,6 +596,8 @@ def get_cpu_offload_context(
         retain_pinned_cpu_buffers,
         device=device,
         min_offload_numel=min_offload_numel,
+        min_offload_bytes=min_offload_bytes,
+        max_host_bytes=max_host_bytes,
     )
     context = OffloadContext(synchronizer)
     return context, context.sync_fn

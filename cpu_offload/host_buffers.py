@@ -22,18 +22,25 @@ NOTE [Host memory pool]
 
     With ``retain=True`` each layer keeps its own buffers with fixed addresses
     instead (CUDA graph capture needs them); their layouts must stay the same.
+
+    With ``max_bytes`` (``max_host_bytes``: eight ranks share one host's pinned
+    memory) the pool never reserves more: free blocks are freed first, and a tensor
+    that still does not fit gets no buffer and stays on the device (counted in the
+    statistics, with one warning).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+import warnings
 from collections import defaultdict
 
 import torch
 
 from .device import DeviceBackend
 from .errors import CpuOffloadError
+from .stats import OffloadStats
 
 __all__ = ["HostBufferPool"]
 
@@ -92,15 +99,26 @@ class HostBufferPool:
     Args:
         backend: allocates the blocks (pinned where the device supports it).
         retain: keep each layer's buffers for the same layer of later passes.
+        max_bytes: the most the pool may reserve (None: no cap).
+        stats: where tensors refused by the cap are counted.
     """
 
-    def __init__(self, backend: DeviceBackend, retain: bool) -> None:
+    def __init__(
+        self,
+        backend: DeviceBackend,
+        retain: bool,
+        max_bytes: int | None = None,
+        stats: OffloadStats | None = None,
+    ) -> None:
         self._backend = backend
         self.retain = retain
+        self.max_bytes = max_bytes
+        self._stats = stats if stats is not None else OffloadStats()
+        self._warned_cap = False
         self._free_sizes: list[int] = []  # sorted sizes of the free blocks
         self._free: defaultdict[int, list[_Block]] = defaultdict(list)  # by size
         self._lent: dict[int, _Block] = {}  # id(view) -> its block
-        self._retained: defaultdict[int, list[list[torch.Tensor]]] = defaultdict(list)
+        self._retained: defaultdict[int, list[list[torch.Tensor | None]]] = defaultdict(list)
         self._reserved = 0
         self._in_use = 0
         self._requested = 0  # bytes the views in use ask for
@@ -111,12 +129,13 @@ class HostBufferPool:
 
     # -------------------------------------------------------------- lending
 
-    def acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``."""
+    def acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``;
+        ``None`` for a tensor that does not fit under ``max_bytes``."""
         with self._lock:
             return self._acquire(layer_index, tensors)
 
-    def _acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
         if self.retain and self._retained[layer_index]:
             # Checked before it is taken: after the error the set is still the layer's.
             self._check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
@@ -124,29 +143,35 @@ class HostBufferPool:
         sizes = [_nbytes(t) for t in tensors]
         self._requested += sum(sizes)
         self._peak_requested = max(self._peak_requested, self._requested)
-        buffers: list[torch.Tensor] = list(tensors)  # placeholders, all replaced
+        buffers: list[torch.Tensor | None] = [None] * len(tensors)
         # Largest first: the largest tensors get the blocks that fit them best.
         order = sorted(range(len(tensors)), key=sizes.__getitem__, reverse=True)
         for position in order:
             nbytes = sizes[position]
             block = self._take_block(nbytes)
+            if block is None:  # over max_bytes: this tensor stays on the device
+                self._requested -= nbytes
+                self._refuse(nbytes)
+                continue
             view = block.view_as(tensors[position], nbytes)
             self._lent[id(view)] = block
             buffers[position] = view
         return buffers
 
-    def release(self, layer_index: int, buffers: list[torch.Tensor]) -> None:
+    def release(self, layer_index: int, buffers: list[torch.Tensor | None]) -> None:
         """Give back the buffers of ``layer_index`` once their data is no longer needed."""
         if not buffers:
             return
         with self._lock:
             self._release(layer_index, buffers)
 
-    def _release(self, layer_index: int, buffers: list[torch.Tensor]) -> None:
+    def _release(self, layer_index: int, buffers: list[torch.Tensor | None]) -> None:
         if self.retain:
             self._retained[layer_index].append(buffers)  # still lent: fixed addresses
             return
         for view in buffers:
+            if view is None:
+                continue
             block = self._take_back(view)
             bisect.insort(self._free_sizes, block.size)
             self._free[block.size].append(block)
@@ -164,7 +189,8 @@ class HostBufferPool:
         for sets in self._retained.values():
             for buffers in sets:
                 for view in buffers:
-                    self._count_freed(self._take_back(view).size)
+                    if view is not None:
+                        self._count_freed(self._take_back(view).size)
         self._retained.clear()
 
     def stats(self) -> dict[str, int]:
@@ -191,7 +217,7 @@ class HostBufferPool:
 
     # ------------------------------------------------------------- blocks
 
-    def _take_block(self, nbytes: int) -> _Block:
+    def _take_block(self, nbytes: int) -> _Block | None:
         at = bisect.bisect_left(self._free_sizes, nbytes)
         if at < len(self._free_sizes):  # never in retain mode: nothing is ever free there
             size = self._free_sizes.pop(at)
@@ -199,6 +225,13 @@ class HostBufferPool:
         else:
             size = size_class(nbytes)
             self._evict_for(size)  # (in retain mode nothing is free to evict)
+            if self.max_bytes is not None and self._reserved + size > self.max_bytes:
+                while self._free_sizes and self._reserved + size > self.max_bytes:
+                    largest = self._free_sizes.pop()
+                    self._free[largest].pop()
+                    self._count_freed(largest)
+                if self._reserved + size > self.max_bytes:
+                    return None
             block = _Block(self._backend.empty_host_bytes(size))
             self._reserved += size
             self._num_alloc += 1
@@ -213,6 +246,22 @@ class HostBufferPool:
             self._free[largest].pop()
             self._count_freed(largest)
 
+    def _refuse(self, nbytes: int) -> None:
+        self._stats.tensors_kept_by_host_cap += 1
+        self._stats.bytes_kept_by_host_cap += nbytes
+        if not self._warned_cap and self.max_bytes is not None:
+            self._warned_cap = True
+            warnings.warn(
+                f"cpu_offload: the host buffer pool is at max_host_bytes={self.max_bytes} "
+                f"({self.max_bytes / 2**20:.1f} MiB; {self._reserved / 2**20:.1f} MiB reserved), "
+                "so saved tensors that do not fit stay on the device (counted in "
+                "stats.tensors_kept_by_host_cap; gradients are unchanged). Raise "
+                "max_host_bytes or offload fewer layers to move them. This warning is "
+                "shown once.",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def _take_back(self, view: torch.Tensor) -> _Block:
         """The block behind a lent view, no longer counted as in use."""
         block = self._lent.pop(id(view))
@@ -226,11 +275,13 @@ class HostBufferPool:
 
     @staticmethod
     def _check_same_layout(
-        layer_index: int, buffers: list[torch.Tensor], tensors: list[torch.Tensor]
+        layer_index: int, buffers: list[torch.Tensor | None], tensors: list[torch.Tensor]
     ) -> None:
         found = [_layout(t) for t in tensors]
-        expected = [_layout(b) for b in buffers]
-        if found != expected:
+        expected = [None if b is None else _layout(b) for b in buffers]
+        if len(found) != len(expected) or any(
+            e is not None and e != f for e, f in zip(expected, found)
+        ):
             raise CpuOffloadError(
                 f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "
                 f"saved tensors with other (shape, stride, dtype) than in the previous iteration: "

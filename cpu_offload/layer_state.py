@@ -60,7 +60,7 @@ import enum
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -227,6 +227,7 @@ class OffloadableLayerState:
         backend: the device backend; the best available device's by default.
         host_buffers: pool that hands out host buffers; a new one by default.
         min_offload_numel: smaller tensors stay on the device.
+        min_offload_bytes: so do tensors of fewer bytes.
         stats: counters to update.
         name: how messages name this layer.
         copy_timer: records timing events around the copies (benchmarks).
@@ -241,6 +242,7 @@ class OffloadableLayerState:
         backend: DeviceBackend | None = None,
         host_buffers: HostBufferPool | None = None,
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
+        min_offload_bytes: int = 0,
         stats: OffloadStats | None = None,
         name: str | None = None,
         copy_timer: CopyTimer | None = None,
@@ -257,6 +259,7 @@ class OffloadableLayerState:
         self.offload_stream = offload_stream
         self.host_buffers = host_buffers
         self.min_offload_numel = min_offload_numel
+        self.min_offload_bytes = min_offload_bytes
         self.stats = stats if stats is not None else OffloadStats()
         self.copy_timer = copy_timer
         #: advice given when a layer must be reloaded on demand in its first backward
@@ -277,7 +280,8 @@ class OffloadableLayerState:
         self._aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self._modified: dict[int, int] = {}  # pushed position -> version seen at copy
         self._unique = TensorGroup()  # after group processing, being copied
-        self._host: list[torch.Tensor] = []
+        self._host: list[torch.Tensor | None] = []  # None: over max_host_bytes, stays
+        self._stay: list[torch.Tensor | None] = []  # per unique tensor: kept on the device
         self._host_bytes = 0  # bytes of the host copies
         self._reloaded = TensorGroup()
         self._in_flight: list[Any] = []  # events of copies nobody has waited for
@@ -314,7 +318,9 @@ class OffloadableLayerState:
         kind = type(tensor)
         if kind is not torch.Tensor:
             return _Kept(tensor, self) if kind is torch.nn.Parameter else self._push_other(tensor)
-        if not is_offloadable(tensor, self.backend.device, self.min_offload_numel):
+        if not is_offloadable(
+            tensor, self.backend.device, self.min_offload_numel, self.min_offload_bytes
+        ):
             numel = tensor.numel()
             if (
                 self.largest_below_threshold < numel < self.min_offload_numel
@@ -471,12 +477,18 @@ class OffloadableLayerState:
             if ready is not None and id(ready) not in waited:
                 waited.add(id(ready))
                 backend.wait_event(stream, ready)
-        self._host_bytes = sum(h.numel() * h.element_size() for h in self._host)
-        self._copy("d2h", self._host, self._unique.tensor_list)
+        unique = self._unique.tensor_list
+        if any(h is None for h in self._host):  # the pool is at max_host_bytes
+            self._stay = [t if h is None else None for h, t in zip(self._host, unique)]
+        self._host_bytes = sum(h.numel() * h.element_size() for h in self._host if h is not None)
+        pairs = [(h, t) for h, t in zip(self._host, unique) if h is not None]
+        self._copy("d2h", [h for h, _ in pairs], [t for _, t in pairs])
         self._in_flight = [backend.record_event(stream)]
 
     def _copy(self, direction: str, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         """The layer's copies in one direction on the offload stream: timed, counted."""
+        if not dsts:  # every tensor stayed (max_host_bytes)
+            return
         stream, timer = self.offload_stream, self.copy_timer
         start = timer.start(stream) if timer is not None else None
         self.backend.copy_many(dsts, srcs, stream, self.name)
@@ -511,9 +523,14 @@ class OffloadableLayerState:
             self._reloaded = TensorGroup()
             return
         backend, stream = self.backend, self.offload_stream
-        targets = [backend.empty_device(host) for host in self._host]
+        stay = self._stay or [None] * len(self._host)
+        targets = [
+            backend.empty_device(host) if host is not None else cast(torch.Tensor, kept)
+            for host, kept in zip(self._host, stay)
+        ]
         backend.wait_stream(stream, backend.current_stream())
-        self._copy("h2d", targets, self._host)
+        copied = [(t, h) for t, h in zip(targets, self._host) if h is not None]
+        self._copy("h2d", [t for t, _ in copied], [h for _, h in copied])
         # One event for the layer: its first pop waits for every copy.
         event = self._reload_event = backend.record_event(stream)
         self._reload_waited_on = _NOT_WAITED
@@ -585,7 +602,7 @@ class OffloadableLayerState:
     @property
     def num_offloaded_tensors(self) -> int:
         """Distinct tensors copied (or to be copied) to the host."""
-        return len(self._host)
+        return sum(h is not None for h in self._host)
 
     def get_offloaded_total_size_mb(self) -> float:
         """MiB of this layer's data that sits in host memory now."""

@@ -88,11 +88,13 @@ def _is_cast_of_parameter(tensor: torch.Tensor) -> bool:
     return False
 
 
-def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool:
+def is_offloadable(
+    tensor: object, device: torch.device, min_numel: int, min_bytes: int = 0
+) -> bool:
     """Whether a saved tensor is copied to the host.
 
     A tensor moves only if it is a plain strided tensor on exactly ``device`` with at
-    least ``min_numel`` elements (and at least one), is not a parameter, a view of
+    least ``min_numel`` elements (and at least one) and ``min_bytes`` bytes, is not a parameter, a view of
     one or a dtype cast of one (autocast's cached weights), was not marked with
     ``mark_not_offload`` (nor a tensor sharing its storage), is not a fake or
     functional tensor of a tracing mode, carries no conjugate or negative bit, and
@@ -100,7 +102,7 @@ def is_offloadable(tensor: object, device: torch.device, min_numel: int) -> bool
     is: a tensor that cannot be moved exactly is not moved.  Quantized tensors are
     decomposed before this check.  :func:`kept_because` says why a tensor stays.
     """
-    reason = kept_because(tensor, device, min_numel)
+    reason = kept_because(tensor, device, min_numel, min_bytes)
     if reason == NOT_DENSE:
         _warn_not_dense(tensor)  # type: ignore[arg-type]
     return reason is None
@@ -116,12 +118,14 @@ PARAMETER, MARKED, BIT_OR_TRACING, NOT_DENSE = (
 )
 
 
-def kept_because(tensor: object, device: torch.device, min_numel: int) -> str | None:
+def kept_because(
+    tensor: object, device: torch.device, min_numel: int, min_bytes: int = 0
+) -> str | None:
     """Why :func:`is_offloadable` keeps ``tensor`` on the device; None if it moves."""
     if type(tensor) is not torch.Tensor:
         return SUBCLASS  # parameters, tensor subclasses (nested, fake, DTensor, ...)
     numel = tensor.numel()
-    if numel < min_numel or numel == 0:
+    if numel < min_numel or numel == 0 or numel * tensor.element_size() < min_bytes:
         return SMALL
     if tensor.device != device:
         return OTHER_DEVICE

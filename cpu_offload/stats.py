@@ -18,6 +18,9 @@ class OffloadStats:
         bytes_reloaded: bytes copied host to device.
         on_demand_reloads: layers reloaded by a pop because no reload was scheduled.
         forward_passes: forward passes started.
+        tensors_kept_by_host_cap: tensors left on the device because the host buffer
+            pool was at ``max_host_bytes``, and
+        bytes_kept_by_host_cap: their bytes.
     """
 
     tensors_offloaded: int = 0
@@ -26,6 +29,8 @@ class OffloadStats:
     bytes_reloaded: int = 0
     on_demand_reloads: int = 0
     forward_passes: int = 0
+    tensors_kept_by_host_cap: int = 0
+    bytes_kept_by_host_cap: int = 0
 
     def __str__(self) -> str:
         """One line of what moved, as the docs' examples print it."""
@@ -34,6 +39,11 @@ class OffloadStats:
             f"to the host and {self.tensors_reloaded} ({self.bytes_reloaded / 2**20:.2f} MiB) "
             f"back in {self.forward_passes} forward passes"
             + (f", {self.on_demand_reloads} reloaded on demand" if self.on_demand_reloads else "")
+            + (
+                f", {self.tensors_kept_by_host_cap} kept on the device by max_host_bytes"
+                if self.tensors_kept_by_host_cap
+                else ""
+            )
         )
 
     def count(self, direction: str, tensors: int, nbytes: int) -> None:

@@ -31,6 +31,28 @@ __all__ = ["DefaultOffloadSynchronizer", "ManualOffloadSynchronizer", "OffloadSy
 PassRef = ForwardPass | int | None
 
 
+def _check_limits(min_offload_bytes: object, max_host_bytes: object) -> None:
+    if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int):
+        raise TypeError(
+            f"cpu_offload: min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}."
+        )
+    if min_offload_bytes < 0:
+        raise ValueError(
+            f"cpu_offload: min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}."
+        )
+    if max_host_bytes is None:
+        return
+    if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int):
+        raise TypeError(
+            f"cpu_offload: max_host_bytes must be an int (bytes) or None, got {max_host_bytes!r}."
+        )
+    if max_host_bytes < 0:
+        raise ValueError(
+            f"cpu_offload: max_host_bytes must be >= 0 bytes (None: no cap), got "
+            f"{max_host_bytes!r}."
+        )
+
+
 def _check_model_layers(num_layers: object) -> None:
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"cpu_offload: model_layers must be an int >= 1, got {num_layers!r}.")
@@ -66,6 +88,9 @@ class OffloadSynchronizer:
         offload_stream: stream for all copies; a new one by default.
         device: device whose tensors are offloaded; the best available by default.
         min_offload_numel: smaller saved tensors stay on the device.
+        min_offload_bytes: so do saved tensors of fewer bytes.
+        max_host_bytes: the most host memory the buffer pool may hold; a tensor that
+            does not fit stays on the device (``stats.tensors_kept_by_host_cap``).
     """
 
     def __init__(
@@ -76,8 +101,11 @@ class OffloadSynchronizer:
         *,
         device: torch.device | str | None = None,
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
+        min_offload_bytes: int = 0,
+        max_host_bytes: int | None = None,
     ) -> None:
         _check_model_layers(num_layers)
+        _check_limits(min_offload_bytes, max_host_bytes)
         if offload_stream is not None and not isinstance(offload_stream, Stream):
             raise TypeError(
                 "cpu_offload: offload_stream must be a stream of the device (such as "
@@ -91,9 +119,12 @@ class OffloadSynchronizer:
         self.num_layers = num_layers
         self.backend: DeviceBackend = get_backend(device)
         self._offload_stream = offload_stream  # created at first use (see below)
-        self.host_buffers = HostBufferPool(self.backend, retain_pinned_cpu_buffers)
-        self.min_offload_numel = min_offload_numel
         self.stats = OffloadStats()
+        self.host_buffers = HostBufferPool(
+            self.backend, retain_pinned_cpu_buffers, max_host_bytes, self.stats
+        )
+        self.min_offload_numel = min_offload_numel
+        self.min_offload_bytes = min_offload_bytes
         self.copy_timer: CopyTimer | None = None  # set by benchmarks to time copies
         #: warn (once) when a whole forward pass moved nothing because of the threshold
         self.warn_if_nothing_moved = True
@@ -123,6 +154,7 @@ class OffloadSynchronizer:
                 backend=self.backend,
                 host_buffers=self.host_buffers,
                 min_offload_numel=self.min_offload_numel,
+                min_offload_bytes=self.min_offload_bytes,
                 stats=self.stats,
                 name=name,
                 copy_timer=self.copy_timer,
@@ -308,8 +340,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         num_layers: layers per forward pass (``L``).
         num_offloaded_layers: layers to offload (``k``), ``0 <= k <= L - 1``; 1 by
             default, as ``get_cpu_offload_context``.
-        retain_pinned_cpu_buffers, offload_stream, device, min_offload_numel: as for
-            :class:`OffloadSynchronizer`.
+        retain_pinned_cpu_buffers, offload_stream, device, min_offload_numel,
+            min_offload_bytes, max_host_bytes: as for :class:`OffloadSynchronizer`.
     """
 
     def __init__(
@@ -321,6 +353,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         *,
         device: torch.device | str | None = None,
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
+        min_offload_bytes: int = 0,
+        max_host_bytes: int | None = None,
     ) -> None:
         _check_model_layers(num_layers)
         if (
@@ -339,6 +373,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             offload_stream,
             device=device,
             min_offload_numel=min_offload_numel,
+            min_offload_bytes=min_offload_bytes,
+            max_host_bytes=max_host_bytes,
         )
         self.num_offloaded_layers = k = num_offloaded_layers
         self.release_schedule: defaultdict[int, list[int]] = defaultdict(list)

@@ -406,6 +406,45 @@ def exception_inside_a_layer_then_a_step(off: Offload) -> list[torch.Tensor]:
     return [x.grad, *(p.grad for block in blocks for p in block.parameters())]
 
 
+def host_memory_cap_below_the_need(off: Offload) -> list[torch.Tensor]:
+    """max_host_bytes holds one 4 KiB block: the rest stays on the device, exactly."""
+    ctx = sync_fn = None
+    if off.k is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the cap's warning
+            ctx, sync_fn = get_cpu_offload_context(
+                True, off.k, L, min_offload_numel=0, max_host_bytes=4096
+            )
+        off.handles.append(ctx)
+    x = leaf(32, 16)  # 2 KiB per saved tensor: one fits in the cap's block, then none
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = lambda h: h.sin().cos().exp()  # noqa: E731 - saves four 2 KiB tensors
+        chain([layer, layer, torch.exp], x, ctx, sync_fn).sum().backward()
+    if off.k is not None:
+        stats = ctx.offload_synchronizer.stats
+        assert stats.tensors_kept_by_host_cap > 0
+        assert ctx.offload_synchronizer.host_memory_stats()["reserved_bytes"] <= 4096
+    return [x.grad]
+
+
+def byte_threshold(off: Offload) -> list[torch.Tensor]:
+    """min_offload_bytes: fp64 tensors move, fp16 tensors of as many elements stay."""
+    ctx = sync_fn = None
+    if off.k is not None:
+        ctx, sync_fn = get_cpu_offload_context(
+            True, off.k, L, min_offload_numel=0, min_offload_bytes=256
+        )
+        off.handles.append(ctx)
+    wide, narrow = leaf(4, 8, dtype=torch.float64), leaf(4, 8, dtype=torch.float16)
+    fns = [torch.sin, torch.cos, torch.exp]
+    chain(fns, wide, ctx, sync_fn).sum().backward()  # 32 x 8 bytes: moves
+    moved = off.tensors_offloaded
+    chain(fns, narrow, ctx, sync_fn).sum().backward()  # 32 x 2 bytes: stays
+    assert off.tensors_offloaded == moved
+    return [wide.grad, narrow.grad]
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -448,6 +487,8 @@ PROGRAMS = {
     "views through their base (qkv, SwiGLU)": Row(views_through_their_base),
     "integer indices from nonzero and argsort": Row(integer_indices_from_nonzero),
     "exception inside a layer, then a step": Row(exception_inside_a_layer_then_a_step),
+    "max_host_bytes below the need": Row(host_memory_cap_below_the_need),
+    "min_offload_bytes": Row(byte_threshold),
 }
 
 

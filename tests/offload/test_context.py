@@ -48,7 +48,12 @@ def test_positional_order_is_te_compatible():
         "offload_stream",
     ]
     assert all(p.kind is p.KEYWORD_ONLY for p in params[9:])
-    assert [p.name for p in params[9:]] == ["device", "min_offload_numel"]
+    assert [p.name for p in params[9:]] == [
+        "device",
+        "min_offload_numel",
+        "min_offload_bytes",
+        "max_host_bytes",
+    ]
     # Megatron passes them positionally.
     ctx, sync_fn = get_cpu_offload_context(True, 1, 2, True, False, False)
     assert hasattr(ctx, "offload_synchronizer")

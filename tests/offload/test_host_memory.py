@@ -166,3 +166,37 @@ def test_stats_count_retained_buffers(streams, retain):
     assert stats["in_use_bytes"] == (6 * MIN_BLOCK_BYTES if retain else 0)
     synchronizer.host_buffers.empty_cache()
     assert synchronizer.host_memory_stats()["reserved_bytes"] == 0
+
+
+@pytest.mark.parametrize("cap_fraction", [0.0, 0.3, 0.7], ids=["cap0", "cap30", "cap70"])
+def test_max_host_bytes_below_the_need_keeps_gradients_and_the_cap(streams, cap_fraction):
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    plain, need = [], None
+    for step in range(4):
+        layers.zero_grad()
+        forward(layers, _input(64 + 16 * step, step)).sum().backward()
+        plain.append([p.grad.clone() for p in layers.parameters()])
+    probe, probe_sync = get_cpu_offload_context(True, 3, 4, min_offload_numel=0)
+    forward(layers, _input(64 + 16 * 3, 3), probe, probe_sync).sum().backward()
+    need = probe.offload_synchronizer.host_memory_stats()["reserved_bytes"]
+    cap = int(need * cap_fraction)
+    ctx, sync_fn = get_cpu_offload_context(True, 3, 4, min_offload_numel=0, max_host_bytes=cap)
+    synchronizer = ctx.offload_synchronizer
+    with pytest.warns(UserWarning, match=rf"the host buffer pool is at max_host_bytes={cap} "):
+        for step in range(4):
+            layers.zero_grad()
+            forward(layers, _input(64 + 16 * step, step), ctx, sync_fn).sum().backward()
+            assert_bit_identical(plain[step], [p.grad.clone() for p in layers.parameters()])
+            assert synchronizer.host_memory_stats()["reserved_bytes"] <= cap
+    stats = synchronizer.stats
+    assert stats.tensors_kept_by_host_cap > 0 and stats.bytes_kept_by_host_cap > 0
+    assert (stats.tensors_offloaded > 0) == (cap_fraction > 0)
+    assert "kept on the device by max_host_bytes" in str(stats)
+
+
+@pytest.mark.parametrize(
+    "value, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)], ids=str
+)
+def test_max_host_bytes_must_be_bytes(value, error):
+    with pytest.raises(error, match="max_host_bytes must be"):
+        get_cpu_offload_context(True, 1, 2, max_host_bytes=value)
