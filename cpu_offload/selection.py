@@ -94,8 +94,9 @@ def is_offloadable(
     """Whether a saved tensor is copied to the host.
 
     A tensor moves only if it is a plain strided tensor on exactly ``device`` with at
-    least ``min_numel`` elements (and at least one) and ``min_bytes`` bytes, is not a parameter, a view of
-    one or a dtype cast of one (autocast's cached weights), was not marked with
+    least ``min_numel`` elements (and at least one) and ``min_bytes`` bytes, is not a
+    parameter, a view of one or a dtype cast of one (autocast's cached weights), was
+    not marked with
     ``mark_not_offload`` (nor a tensor sharing its storage), is not a fake or
     functional tensor of a tracing mode, carries no conjugate or negative bit, and
     is dense or a view copied through its dense base.  Everything else stays where it
