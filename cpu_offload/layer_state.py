@@ -59,6 +59,7 @@ from __future__ import annotations
 import enum
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -263,7 +264,13 @@ class OffloadableLayerState:
         self.stats = stats if stats is not None else OffloadStats()
         self.copy_timer = copy_timer
         #: advice given when a layer must be reloaded on demand in its first backward
-        self.reload_advice = "Call the sync function on every layer's output to prefetch it."
+        #: (None: such a reload is expected, and silent)
+        self.reload_advice: str | None = (
+            "Call the sync function on every layer's output to prefetch it."
+        )
+        #: called once, at the first pop of a push cycle (a chunk prefetches the one
+        #: before it: see ``chunked.py``)
+        self.on_first_pop: Callable[[], None] | None = None
         self.state = LayerState.NOT_OFFLOADED
         self.generation = 0
         #: the most elements of a tensor kept only for being under ``min_offload_numel``
@@ -411,6 +418,9 @@ class OffloadableLayerState:
                 "data was released and the layer state reused for another forward pass. "
                 "Use one layer state per layer and forward pass (the synchronizers do)."
             )
+        if self.on_first_pop is not None:
+            callback, self.on_first_pop = self.on_first_pop, None
+            callback()
         index = handle.index
         self._check_version(index)
         state = self.state
@@ -447,7 +457,7 @@ class OffloadableLayerState:
     def _reload_on_demand(self) -> None:
         if not self._backward_done:  # a second backward reloads on demand by design
             self.stats.on_demand_reloads += 1
-            if self.stats.on_demand_reloads == 1:
+            if self.stats.on_demand_reloads == 1 and self.reload_advice is not None:
                 warnings.warn(
                     f"cpu_offload: {self.name} was needed by backward before its reload was "
                     "scheduled; it is reloaded now, without overlap with compute. "

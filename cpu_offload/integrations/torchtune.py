@@ -13,7 +13,13 @@ each forward::
 the same use, which offloads the first ``k`` decoder layers (``model.layers``) through
 :func:`~cpu_offload.offload_layers` instead of every saved tensor.  Call it where the
 recipe does: after ``set_activation_checkpointing`` (so that the hooks go on the
-checkpoint wrappers) and after ``compile_model``.
+checkpoint wrappers) and after ``compile_model``.  TRL's function of the same name
+(``use_pin_memory``, ``use_streams``, ``min_offload_size``, ``max_fwd_stash_size``,
+``warn_if_no_head`` as keywords) is served by the same call.
+
+:class:`OffloadActivations` is torchtune's (and TRL's) class of that name, for a whole
+forward with no layer list: ``with OffloadActivations(): loss = model(batch)``.  It needs
+neither torchtune nor TRL installed.
 
 Example:
     >>> import torch
@@ -34,13 +40,80 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 from torch import nn
 
+from ..chunked import DEFAULT_CHUNK_BYTES, ChunkedOffload
 from ..layer_hooks import OffloadLayersHandle, find_layers, offload_layers
 
-__all__ = ["OffloadLayersContext", "get_act_offloading_ctx_manager"]
+__all__ = ["OffloadActivations", "OffloadLayersContext", "get_act_offloading_ctx_manager"]
+
+
+class OffloadActivations(ChunkedOffload):
+    """torchtune's ``training.OffloadActivations`` (TRL's too), on cpu-offload's engine.
+
+    Offloads what the forward inside ``with`` saves, in chunks of ``chunk_bytes`` (see
+    :mod:`cpu_offload.chunked`), keeping the last chunk on the device; gradients are
+    bit-identical to a run without it.
+
+    Args:
+        use_pin_memory: accepted; host buffers are pinned wherever the device supports
+            it (an unpinned copy would synchronise the host).
+        use_streams: accepted; copies always run on a side stream, ordered by events
+            (torchtune's False runs them on the compute stream: slower, no safer).
+        max_fwd_stash_size: accepted, no effect: the device memory of a chunk is
+            released once its copies are done, ordered by an event, not after a count
+            of tensors.
+        min_offload_size: saved tensors of fewer bytes stay on the device (1024, as in
+            torchtune); mapped to ``min_offload_bytes``.
+        chunk_bytes, device, max_host_bytes, retain_pinned_cpu_buffers: as for
+            :class:`~cpu_offload.chunked.ChunkedOffload`.
+
+    Example:
+        >>> import torch
+        >>> from cpu_offload.integrations.torchtune import OffloadActivations
+        >>> model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+        >>> ctx = OffloadActivations(chunk_bytes=2**16)
+        >>> with ctx:
+        ...     loss = model(torch.randn(64, 256, requires_grad=True)).sum()
+        >>> loss.backward()
+        >>> print(ctx.offload_synchronizer.stats)
+        moved 3 tensors (0.19 MiB) to the host and 3 (0.19 MiB) back in 1 forward passes
+    """
+
+    def __init__(
+        self,
+        use_pin_memory: bool = True,
+        use_streams: bool = True,
+        max_fwd_stash_size: int = 5,
+        min_offload_size: int = 1024,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        device: Any = None,
+        max_host_bytes: int | None = None,
+        retain_pinned_cpu_buffers: bool = False,
+    ) -> None:
+        for name, flag in (("use_pin_memory", use_pin_memory), ("use_streams", use_streams)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"OffloadActivations: {name} must be a bool, got {flag!r}.")
+        if isinstance(max_fwd_stash_size, bool) or not isinstance(max_fwd_stash_size, int):
+            raise TypeError(
+                f"OffloadActivations: max_fwd_stash_size must be an int, got "
+                f"{max_fwd_stash_size!r}."
+            )
+        if max_fwd_stash_size < 1:
+            raise ValueError(
+                f"OffloadActivations: max_fwd_stash_size must be >= 1, got {max_fwd_stash_size}."
+            )
+        super().__init__(
+            chunk_bytes,
+            device=device,
+            min_offload_bytes=min_offload_size,
+            max_host_bytes=max_host_bytes,
+            retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        )
 
 
 class OffloadLayersContext:
@@ -73,8 +146,14 @@ class OffloadLayersContext:
 
 def get_act_offloading_ctx_manager(
     model: nn.Module,
-    enable_activation_offloading: bool,
+    enable_activation_offloading: bool = True,
     num_offloaded_layers: int | float | None = None,
+    *,
+    use_pin_memory: bool = True,
+    use_streams: bool = True,
+    min_offload_size: int | None = None,
+    max_fwd_stash_size: int = 5,
+    warn_if_no_head: bool = True,
     **options: Any,
 ) -> OffloadLayersContext | contextlib.nullcontext[None]:
     """torchtune's ``training.get_act_offloading_ctx_manager``, offloading ``k`` layers.
@@ -87,10 +166,24 @@ def get_act_offloading_ctx_manager(
             but the last (whose activations backward needs first), the nearest to
             torchtune's offloading of everything. Fewer layers leave the copies more
             compute to hide behind.
+        use_pin_memory, use_streams, max_fwd_stash_size, warn_if_no_head: TRL's
+            keywords, accepted (see :class:`OffloadActivations`; the output head is never
+            a decoder layer, so it is never offloaded).
+        min_offload_size: TRL's byte threshold, mapped to ``min_offload_bytes`` (with
+            ``min_offload_numel=0`` unless given).
         **options: keyword arguments of :func:`~cpu_offload.get_cpu_offload_context`.
     """
+    del use_pin_memory, use_streams, max_fwd_stash_size, warn_if_no_head  # see Args
     if not enable_activation_offloading:
         return contextlib.nullcontext()
-    if num_offloaded_layers is None:
-        num_offloaded_layers = len(find_layers(model)) - 1
-    return OffloadLayersContext(offload_layers(model, num_offloaded_layers, **options))
+    if min_offload_size is not None:  # TRL's threshold in bytes replaces ours in elements
+        options.setdefault("min_offload_bytes", min_offload_size)
+        options.setdefault("min_offload_numel", 0)
+    if num_offloaded_layers is not None:
+        return OffloadLayersContext(offload_layers(model, num_offloaded_layers, **options))
+    with warnings.catch_warnings():
+        # k = L - 1 by default, torchtune's nearest: its "cannot overlap" warning is
+        # advice for a k the caller chose, not for this default.
+        warnings.filterwarnings("ignore", "cpu_offload: num_layers == model_layers - 1")
+        handle = offload_layers(model, len(find_layers(model)) - 1, **options)
+    return OffloadLayersContext(handle)

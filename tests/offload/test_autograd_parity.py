@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import get_cpu_offload_context, offload_layers
+from cpu_offload.integrations.torchtune import OffloadActivations
 
 pytestmark = pytest.mark.usefixtures("streams")
 
@@ -445,6 +446,27 @@ def byte_threshold(off: Offload) -> list[torch.Tensor]:
     return [wide.grad, narrow.grad]
 
 
+def whole_forward_in_chunks(inplace: bool) -> Callable[[Offload], list]:
+    """OffloadActivations around a whole forward (no layers), a chunk per tensor."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        ctx: Any = contextlib.nullcontext()
+        if off.k is not None:
+            ctx = OffloadActivations(min_offload_size=0, chunk_bytes=1)
+            off.handles.append(ctx)
+        x, w = leaf(8, 4), leaf(4)
+        with ctx:
+            h = (x * w).sin()
+            saved = h.cos()  # saved by sin, in a chunk of its own
+            out = (saved.sin() * w).tanh()
+            if inplace:
+                saved.mul_(2)
+        out.sum().backward()
+        return [x.grad, w.grad]
+
+    return program
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -489,6 +511,8 @@ PROGRAMS = {
     "exception inside a layer, then a step": Row(exception_inside_a_layer_then_a_step),
     "max_host_bytes below the need": Row(host_memory_cap_below_the_need),
     "min_offload_bytes": Row(byte_threshold),
+    "OffloadActivations around a whole forward": Row(whole_forward_in_chunks(False)),
+    "OffloadActivations, in-place after save": Row(whole_forward_in_chunks(True), match=MODIFIED),
 }
 
 
