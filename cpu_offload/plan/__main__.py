@@ -14,7 +14,7 @@ from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .census import ATTENTIONS, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
 from .profiles import PROFILES, get_profile, with_flops
-from .schedule_model import Plan, plan_offload
+from .schedule_model import Plan, PlanRow, plan_offload
 
 GIB = 2**30
 PLAN_PRESETS = ["tiny", "llama8b-layer"]
@@ -92,15 +92,20 @@ def print_plan(plan: Plan, description: str) -> None:
     print(f"L = {plan.num_layers}; times are PREDICTED by the schedule model")
     print(
         f"{'k':>3} {'offloaded/step GiB':>18} {'end of fwd GiB':>14} {'peak GiB':>9} "
-        f"{'exposed ms':>10} {'step ms':>9} {'overhead':>9}"
+        f"{'exposed ms':>10} {'step ms':>9} {'overhead':>9} {'host GiB/rank':>13}"
     )
     for row in plan.rows:
         print(
             f"{row.k:>3} {row.offloaded_bytes / GIB:>18.3f} "
             f"{row.end_of_forward_bytes / GIB:>14.3f} {row.peak_bytes / GIB:>9.3f} "
             f"{row.exposed_copy_s * 1e3:>10.3f} "
-            f"{row.step_s * 1e3:>9.3f} {row.overhead:>9.2%}"
+            f"{row.step_s * 1e3:>9.3f} {row.overhead:>9.2%} "
+            f"{host_bytes_per_rank(row) / GIB:>13.3f}"
         )
+    print(
+        "host GiB/rank: host memory (pinned on a GPU) one rank needs per micro-batch in "
+        "flight; the buffer pool reserves at most twice that; cap it with max_host_bytes"
+    )
     print(f"largest k within {plan.overhead_budget:.1%} overhead: {plan.largest_hidden_k}")
     if plan.memory_budget is not None:
         budget = f"{plan.memory_budget / GIB:.2f} GiB"
@@ -111,6 +116,12 @@ def print_plan(plan: Plan, description: str) -> None:
             )
         else:
             print(f"smallest k that fits {budget} of activations: {plan.smallest_fitting_k}")
+
+
+def host_bytes_per_rank(row: PlanRow) -> int:
+    """Host memory one rank holds for a micro-batch in flight: what it offloads in a step
+    (the pool serves it from power-of-two blocks and reserves at most twice that)."""
+    return row.offloaded_bytes
 
 
 def to_json(plan: Plan, description: str) -> dict[str, object]:
@@ -124,6 +135,7 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
         "predicted": True,
         "rows": [
             {key: value for key, value in dataclasses.asdict(row).items() if key != "log"}
+            | {"host_bytes_per_rank": host_bytes_per_rank(row)}
             for row in plan.rows
         ],
         "largest_hidden_k": plan.largest_hidden_k,

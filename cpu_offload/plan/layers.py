@@ -144,6 +144,49 @@ def check_hf_config(config_source: str) -> str:
     return config_source
 
 
+#: model types whose decoder layer is cpu_offload's Llama layer, shape for shape
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+def llama_layer_from_config(
+    source: str, config: dict[str, Any], seq: int, batch: int, dtype: torch.dtype
+) -> LayerSpec:
+    """A Llama-family ``config.json`` read without transformers: cpu_offload's Llama
+    layer (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) in its shapes.
+
+    Raises:
+        ValueError: another model type (its layer needs transformers), or missing fields.
+    """
+    model_type = config.get("model_type")
+    if model_type not in LLAMA_FAMILY:
+        raise ValueError(
+            f"--hf-config {source}: model_type {model_type!r} needs transformers to build "
+            f"its layer (pip install transformers); without it the planner reads "
+            f"{', '.join(LLAMA_FAMILY)} configs"
+        )
+    try:
+        heads = int(config["num_attention_heads"])
+        llama = LlamaConfig(
+            hidden=int(config["hidden_size"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            ffn=int(config["intermediate_size"]),
+            layers=1,
+        )
+    except KeyError as missing:
+        raise ValueError(f"--hf-config {source}: the config has no {missing} field") from None
+    x = torch.empty(batch, seq, llama.hidden, device="meta", dtype=dtype)
+    return LayerSpec(
+        lambda: LlamaLayer(llama).to(dtype),
+        (x,),
+        {},
+        f"{source} ({model_type}, read without transformers: cpu_offload's Llama layer): "
+        f"hidden {llama.hidden}, heads {llama.heads}/{llama.kv_heads}, ffn {llama.ffn}, "
+        f"seq {seq}, batch {batch}, {str(dtype).removeprefix('torch.')}",
+        num_layers=int(config.get("num_hidden_layers") or 0) or None,
+    )
+
+
 def hf_layer(
     config_source: str, seq: int, batch: int, dtype: torch.dtype, attention: str
 ) -> LayerSpec:
@@ -155,6 +198,12 @@ def hf_layer(
     captured from a forward of the whole model on the meta device.
     """
     source = check_hf_config(config_source)
+    if importlib.util.find_spec("transformers") is None:  # a local file (checked above)
+        path = config_source
+        if not os.path.isfile(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as file:
+            return llama_layer_from_config(config_source, json.load(file), seq, batch, dtype)
     import transformers  # the planner's optional host
     from transformers import masking_utils
 

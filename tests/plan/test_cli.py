@@ -57,3 +57,68 @@ def test_plot(tmp_path, capsys):
     assert main(["--preset", "tiny", "--plot", str(path)]) == 0
     assert f"plot written to {path}" in capsys.readouterr().out
     assert path.stat().st_size > 1000
+
+
+LLAMA_8B_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+}
+
+
+@pytest.fixture
+def without_transformers(monkeypatch):
+    """The planner as it runs where transformers is not installed."""
+    import importlib.util
+
+    import cpu_offload.plan.layers as layers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        layers.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+
+
+def test_a_llama_config_json_is_read_without_transformers(tmp_path, without_transformers):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_8B_CONFIG))
+    planned = tmp_path / "hf.json"
+    preset = tmp_path / "preset.json"
+    common = ["--seq", "2048", "--batch", "1", "--json"]
+    assert main(["--hf-config", str(tmp_path), *common, str(planned)]) == 0
+    assert main(["--preset", "llama8b-layer", "--layers", "32", *common, str(preset)]) == 0
+    hf, ours = json.loads(planned.read_text()), json.loads(preset.read_text())
+    assert "read without transformers" in hf["description"] and hf["num_layers"] == 32
+    assert hf["layer"]["offloaded_bytes"] == ours["layer"]["offloaded_bytes"] > 0
+    assert [r["host_bytes_per_rank"] for r in hf["rows"]] == [
+        r["offloaded_bytes"] for r in hf["rows"]
+    ]
+
+
+def test_another_model_type_without_transformers_says_what_to_install(
+    tmp_path, without_transformers, capsys
+):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA_8B_CONFIG, "model_type": "gpt2"}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--hf-config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "model_type 'gpt2' needs transformers to build its layer (pip install" in err
+
+
+def test_a_model_name_without_transformers_says_what_to_install(without_transformers, capsys):
+    with pytest.raises(SystemExit):
+        main(["--hf-config", "meta-llama/Meta-Llama-3-8B"])
+    assert "which needs transformers (pip install transformers)" in capsys.readouterr().err
+
+
+def test_the_table_says_how_much_host_memory_a_rank_needs(capsys):
+    assert main(["--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "host GiB/rank" in out and "cap it with max_host_bytes" in out
