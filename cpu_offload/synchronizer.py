@@ -31,26 +31,18 @@ __all__ = ["DefaultOffloadSynchronizer", "ManualOffloadSynchronizer", "OffloadSy
 PassRef = ForwardPass | int | None
 
 
+def _check_bytes(name: str, value: object, expected: str) -> None:
+    """``value`` is a count of bytes: an int >= 0 (TypeError, else ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"cpu_offload: {name} must be {expected}, got {value!r}.")
+    if value < 0:
+        raise ValueError(f"cpu_offload: {name} must be {expected}, got {value!r}.")
+
+
 def _check_limits(min_offload_bytes: object, max_host_bytes: object) -> None:
-    if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int):
-        raise TypeError(
-            f"cpu_offload: min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}."
-        )
-    if min_offload_bytes < 0:
-        raise ValueError(
-            f"cpu_offload: min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}."
-        )
-    if max_host_bytes is None:
-        return
-    if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int):
-        raise TypeError(
-            f"cpu_offload: max_host_bytes must be an int (bytes) or None, got {max_host_bytes!r}."
-        )
-    if max_host_bytes < 0:
-        raise ValueError(
-            f"cpu_offload: max_host_bytes must be >= 0 bytes (None: no cap), got "
-            f"{max_host_bytes!r}."
-        )
+    _check_bytes("min_offload_bytes", min_offload_bytes, "an int >= 0")
+    if max_host_bytes is not None:
+        _check_bytes("max_host_bytes", max_host_bytes, "an int >= 0 (bytes) or None (no cap)")
 
 
 def _check_model_layers(num_layers: object) -> None:
