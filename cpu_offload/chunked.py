@@ -33,6 +33,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .context import _active_depth, _forward_inside_backward, _saved_tensors_hooks_enabled
+from .eager import eager
 from .layer_state import LayerState, OffloadableLayerState, _Offloaded, unpack_saved
 from .selection import is_offloadable
 from .synchronizer import OffloadSynchronizer
@@ -149,7 +150,7 @@ class ChunkedOffload:
 
     # -------------------------------------------------------------- chunks
 
-    @torch.compiler.disable
+    @eager
     def _push(self, tensor: Any) -> Any:
         run = self._forward
         chunk = run.chunk

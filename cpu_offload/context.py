@@ -364,21 +364,40 @@ class OffloadContext:
             )
 
     def _backward_hook(self, forward_pass: ForwardPass, layers: list[int]) -> Callable:
-        synchronizer = self.offload_synchronizer
-        token = forward_pass.graph_token()
+        return _BackwardHook(self.offload_synchronizer, forward_pass, layers)
 
-        def finish() -> None:
-            synchronizer.finish_part_of_bwd(forward_pass)
 
-        def on_backward(grad_outputs: Any, _token: _GraphToken = token) -> None:
-            if not forward_pass.finish_queued:
-                forward_pass.finish_queued = _queue_end_of_backward(finish)
-            for layer in reversed(layers):
-                synchronizer.bwd_step(layer, forward_pass)
+# Compiled autograd traces Python hooks with dynamo; this one drives the offload
+# schedule (copies, events, engine callbacks) and must run as written.  Wrapped once
+# here, not once per layer.
+@torch._dynamo.disable(recursive=True)
+def _on_backward(hook: _BackwardHook) -> None:
+    forward_pass, synchronizer = hook.forward_pass, hook.synchronizer
+    if not forward_pass.finish_queued:
+        forward_pass.finish_queued = _queue_end_of_backward(hook.finish)
+    for layer in reversed(hook.layers):
+        synchronizer.bwd_step(layer, forward_pass)
 
-        # Compiled autograd traces Python hooks with dynamo; this one drives the
-        # offload schedule (copies, events, engine callbacks) and must run as written.
-        return torch._dynamo.disable(on_backward, recursive=True)
+
+class _BackwardHook:
+    """The pre-hook ``sync_fn`` puts on a layer output's node: backward reaches the
+    layers in ``layers`` (it holds the pass and its graph token: the graph owns them)."""
+
+    __slots__ = ("synchronizer", "forward_pass", "layers", "token")
+
+    def __init__(
+        self, synchronizer: OffloadSynchronizer, forward_pass: ForwardPass, layers: list[int]
+    ) -> None:
+        self.synchronizer = synchronizer
+        self.forward_pass = forward_pass
+        self.layers = layers
+        self.token: _GraphToken = forward_pass.graph_token()
+
+    def __call__(self, grad_outputs: Any) -> None:
+        _on_backward(self)
+
+    def finish(self) -> None:
+        self.synchronizer.finish_part_of_bwd(self.forward_pass)
 
 
 def _check_flags(**flags: object) -> None:

@@ -115,8 +115,10 @@ class HostBufferPool:
         self.max_bytes = max_bytes
         self._stats = stats if stats is not None else OffloadStats()
         self._warned_cap = False
-        self._free_sizes: list[int] = []  # sorted sizes of the free blocks
-        self._free: defaultdict[int, list[_Block]] = defaultdict(list)  # by size
+        # Free blocks by size class, and the sorted classes that have one: a power of two
+        # per class, so lending and taking back cost O(classes), not O(blocks).
+        self._free_sizes: list[int] = []
+        self._free: defaultdict[int, list[_Block]] = defaultdict(list)
         self._lent: dict[int, _Block] = {}  # id(view) -> its block
         self._retained: defaultdict[int, list[list[torch.Tensor | None]]] = defaultdict(list)
         self._reserved = 0
@@ -173,8 +175,7 @@ class HostBufferPool:
             if view is None:
                 continue
             block = self._take_back(view)
-            bisect.insort(self._free_sizes, block.size)
-            self._free[block.size].append(block)
+            self._put_free(block)
 
     def empty_cache(self) -> None:
         """Free the blocks no layer is using (and the buffers retained for later passes)."""
@@ -183,7 +184,8 @@ class HostBufferPool:
 
     def _empty_cache(self) -> None:
         for size in self._free_sizes:
-            self._count_freed(size)
+            for _ in self._free[size]:
+                self._count_freed(size)
         self._free_sizes.clear()
         self._free.clear()
         for sets in self._retained.values():
@@ -220,15 +222,15 @@ class HostBufferPool:
     def _take_block(self, nbytes: int) -> _Block | None:
         at = bisect.bisect_left(self._free_sizes, nbytes)
         if at < len(self._free_sizes):  # never in retain mode: nothing is ever free there
-            size = self._free_sizes.pop(at)
-            block = self._free[size].pop()
+            size = self._free_sizes[at]
+            block = self._take_free(size)
         else:
             size = size_class(nbytes)
             self._evict_for(size)  # (in retain mode nothing is free to evict)
             if self.max_bytes is not None and self._reserved + size > self.max_bytes:
                 while self._free_sizes and self._reserved + size > self.max_bytes:
-                    largest = self._free_sizes.pop()
-                    self._free[largest].pop()
+                    largest = self._free_sizes[-1]
+                    self._take_free(largest)
                     self._count_freed(largest)
                 if self._reserved + size > self.max_bytes:
                     return None
@@ -242,9 +244,23 @@ class HostBufferPool:
         """Free unused blocks, largest first, until ``size`` more bytes fit the bound."""
         limit = 2 * self._peak_requested
         while self._free_sizes and self._reserved + size > limit:
-            largest = self._free_sizes.pop()
-            self._free[largest].pop()
+            largest = self._free_sizes[-1]
+            self._take_free(largest)
             self._count_freed(largest)
+
+    def _put_free(self, block: _Block) -> None:
+        blocks = self._free[block.size]
+        if not blocks:
+            bisect.insort(self._free_sizes, block.size)
+        blocks.append(block)
+
+    def _take_free(self, size: int) -> _Block:
+        """A free block of class ``size`` (which has one)."""
+        blocks = self._free[size]
+        block = blocks.pop()
+        if not blocks:
+            self._free_sizes.remove(size)
+        return block
 
     def _refuse(self, nbytes: int) -> None:
         self._stats.tensors_kept_by_host_cap += 1

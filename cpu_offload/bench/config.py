@@ -66,6 +66,7 @@ PRESETS: dict[str, dict[str, object]] = {
 class BenchConfig:
     preset: str
     threads: int | None
+    count: str
     hidden: int
     heads: int
     kv_heads: int
@@ -120,9 +121,21 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         help="size of the raw copy that measures the link (default: 1024 on "
         "an accelerator, 64 on the CPU)",
     )
+    parser.add_argument(
+        "--count",
+        choices=["time", "instructions"],
+        default="time",
+        help="--preset hooks: wall time of interleaved steps, or instructions counted by "
+        "valgrind's callgrind (repeatable on a loaded machine; CPU thread time without "
+        "valgrind)",
+    )
     parser.add_argument("--json", default=None, help="write all figures to this file")
     parser.add_argument("--plot", default=None, help="write a PNG with the plots")
     args = parser.parse_args(argv)
+    if args.count == "instructions" and args.preset != "hooks":
+        parser.error(
+            f"--count instructions: counts the hooks preset only, not --preset {args.preset}"
+        )
     values = dict(PRESETS[args.preset])
     for key in (
         "hidden",
@@ -159,6 +172,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     return BenchConfig(
         preset=args.preset,
         threads=args.threads,
+        count=args.count,
         offload=ks,
         modes=modes,
         device=args.device,

@@ -23,9 +23,10 @@ from torch import nn
 
 from ..context import OffloadContext, get_cpu_offload_context
 from ..device import DeviceBackend
+from .counting import Collector, ModeCount
 from .modes import save_on_cpu
 
-__all__ = ["HookCost", "measure_hook_costs", "print_hook_costs"]
+__all__ = ["HookCost", "count_hook_costs", "measure_hook_costs", "print_counts", "print_hook_costs"]
 
 # Nothing is large enough to move.
 _NEVER = 2**62
@@ -80,6 +81,13 @@ def _runner(mode: str, stack: nn.ModuleList, backend: DeviceBackend) -> tuple[Ca
     layers = len(stack)
     if mode == "none":
         return (lambda x: _plain(stack, x)), None
+    if mode == "empty_hooks":  # the floor: a hook pair that does nothing
+
+        def run_empty(x: torch.Tensor) -> torch.Tensor:
+            with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+                return _plain(stack, x)
+
+        return run_empty, None
     if mode == "copy_hooks":
         device, pin = backend.device, backend.pin_memory
 
@@ -124,6 +132,82 @@ def _runner(mode: str, stack: nn.ModuleList, backend: DeviceBackend) -> tuple[Ca
     if mode != "hooks:move":
         synchronizer.warn_if_nothing_moved = False  # nothing moves on purpose here
     return offloaded, synchronizer
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def count_hook_costs(
+    backend: DeviceBackend,
+    collector: Collector,
+    layers: int = 16,
+    width: int = 64,
+    batch: int = 32,
+    steps: int = 5,
+    warmup: int = 2,
+) -> list[ModeCount]:
+    """Each mode in turn: ``warmup`` steps, then ``steps`` steps between the collector's
+    start and stop; :mod:`cpu_offload.bench.counting` says what is counted."""
+    stack = _stack(layers, width, backend.device)
+    x = torch.randn(batch, width, device=backend.device, requires_grad=True)
+    saved = _count_saved(stack, x)
+    results = []
+    for mode in COUNTED_MODES:
+        run, synchronizer = _runner(mode, stack, backend)
+        for _ in range(warmup):
+            run(x).sum().backward()
+        moved = synchronizer.stats.tensors_offloaded if synchronizer else 0
+        collector.start()
+        for _ in range(steps):
+            run(x).sum().backward()
+        elapsed = collector.stop()
+        if mode == "hooks:move" and synchronizer is not None:
+            tensors = (synchronizer.stats.tensors_offloaded - moved) // steps
+        elif mode == "hooks:stay":
+            tensors = sum(saved[:-1])  # our hooks cover layers 0..L-2
+        else:
+            tensors = 0 if mode == "none" else sum(saved)
+        results.append(ModeCount(mode, steps, tensors, elapsed / steps))
+    return results
+
+
+#: the modes ``--count`` measures, in order; ``empty_hooks`` is the floor
+COUNTED_MODES = ["none", "empty_hooks", "hooks:stay", "hooks:move", "save_on_cpu", "copy_hooks"]
+
+
+def print_counts(modes: list[ModeCount], unit: str) -> None:
+    """Cost per saved tensor above no hooks, and its ratio to the floors."""
+    per = {m.mode: m for m in modes}
+    base = per["none"].per_step
+
+    def per_tensor(mode: str) -> float | None:
+        m = per[mode]
+        return (m.per_step - base) / m.tensors_per_step if m.tensors_per_step else None
+
+    header = (
+        f"{'mode':<12} {unit + '/step':>18} {'tensors/step':>13} {unit + '/tensor':>18} "
+        f"{'vs empty pair':>14} {'vs copy_hooks':>14} {'vs save_on_cpu':>15}"
+    )
+    print(header)
+    print("-" * len(header))
+    floors = {name: per_tensor(name) for name in ("empty_hooks", "copy_hooks", "save_on_cpu")}
+    for m in modes:
+        cost = per_tensor(m.mode)
+        ratios = [
+            "-" if cost is None or not floor else f"{cost / floor:.2f}x"
+            for floor in floors.values()
+        ]
+        print(
+            f"{m.mode:<12} {m.per_step:>18,.0f} {m.tensors_per_step or '-'!s:>13} "
+            f"{'-' if cost is None else f'{cost:,.0f}':>18} {ratios[0]:>14} {ratios[1]:>14} "
+            f"{ratios[2]:>15}"
+        )
+    print(
+        f"{unit}/tensor: (a step of the mode - a step without hooks) / the tensors the mode "
+        "handled (hooks:stay: the tensors our hooks saw; hooks:move: the tensors moved). "
+        "Targets (issue 21): hooks:move <= 1.5x copy_hooks, hooks:stay <= 2.0x the empty pair."
+    )
 
 
 def _plain(stack: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:

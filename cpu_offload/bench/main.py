@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -14,7 +15,15 @@ import torch
 from ..device import available_device_type, device_name, get_backend
 from ..models.llama import LlamaConfig, LlamaLayer
 from .config import DTYPES, BenchConfig, parse_args
-from .hooks import measure_hook_costs, print_hook_costs
+from .counting import (
+    ENV_OUT,
+    Collector,
+    callgrind_available,
+    count_under_callgrind,
+    load_modes,
+    write_modes,
+)
+from .hooks import count_hook_costs, measure_hook_costs, print_counts, print_hook_costs
 from .measure import ModeResult, measure_ceiling, measure_modes
 from .modes import make_mode
 from .report import print_table, write_json, write_plot
@@ -98,8 +107,11 @@ def _set_threads(config: BenchConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     config = parse_args(argv)
     threads = _set_threads(config)
+    if config.count == "instructions":
+        return _count_hooks(config, argv)
     print(f"torch intra-op threads: {threads} (--threads)", flush=True)
     if config.preset == "hooks":
         return _main_hooks(config)
@@ -119,6 +131,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         reason = write_plot(config.plot, results, title)
         print(f"plot not written: {reason}" if reason else f"plot written to {config.plot}")
+    return 0
+
+
+def _count_hooks(config: BenchConfig, argv: list[str]) -> int:
+    """``--preset hooks --count instructions``: see :mod:`cpu_offload.bench.counting`."""
+    backend = get_backend(config.device)
+    sizes = dict(layers=config.layers, width=config.hidden, batch=config.batch)
+    inside = os.environ.get(ENV_OUT)
+    if inside:  # the measuring process, under callgrind
+        write_modes(inside, count_hook_costs(backend, Collector(True), **sizes))
+        return 0
+    print(
+        f"{backend.device} ({device_name(backend.device)}), torch {torch.__version__}, "
+        f"preset hooks: {config.layers} layers of Linear+GELU+LayerNorm, width "
+        f"{config.hidden}, batch {config.batch}, torch threads {torch.get_num_threads()}"
+    )
+    if callgrind_available():
+        modes, unit = count_under_callgrind(argv, load_modes), "instructions"
+    else:
+        print("valgrind not found: counting CPU time of this thread instead (ns)")
+        modes, unit = count_hook_costs(backend, Collector(False), **sizes), "ns"
+    print_counts(modes, unit)
+    if config.json:
+        with open(config.json, "w") as handle:
+            json.dump({"unit": unit, "modes": [dataclasses.asdict(m) for m in modes]}, handle)
+        print(f"figures written to {config.json}")
     return 0
 
 

@@ -188,3 +188,51 @@ def test_hooks_preset_reports_the_cost_per_tensor(tmp_path, capsys):
 def test_torchtune_row_is_skipped_off_cuda_with_the_reason():
     mode = make_mode("torchtune", 3, get_backend("cpu"), 0)
     assert mode.skip_reason == "torchtune's OffloadActivations needs CUDA, not cpu"
+
+
+def test_instruction_counts_fall_back_to_thread_time_without_valgrind(
+    capsys, monkeypatch, tmp_path
+):
+    import sys
+
+    import cpu_offload.bench.main  # noqa: F401 - the module, not the function
+
+    bench_main = sys.modules["cpu_offload.bench.main"]
+    monkeypatch.setattr(bench_main, "callgrind_available", lambda: False)
+    threads = torch.get_num_threads()
+    report = tmp_path / "counts.json"
+    try:
+        argv = ["--preset", "hooks", "--layers", "3", "--count", "instructions"]
+        assert main([*argv, "--json", str(report)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "valgrind not found: counting CPU time of this thread instead (ns)" in out
+    document = json.loads(report.read_text())
+    modes = {m["mode"]: m for m in document["modes"]}
+    assert document["unit"] == "ns"
+    assert list(modes) == [
+        "none", "empty_hooks", "hooks:stay", "hooks:move", "save_on_cpu", "copy_hooks"
+    ]  # fmt: skip
+    assert all(m["per_step"] > 0 for m in modes.values())
+    assert modes["hooks:move"]["tensors_per_step"] > 0 and modes["none"]["tensors_per_step"] == 0
+
+
+def test_callgrind_totals_are_read_from_a_dump(tmp_path):
+    from cpu_offload.bench.counting import read_totals
+
+    dump = tmp_path / "callgrind.out.1"
+    dump.write_text(
+        "version: 1\ncmd: python\npart: 1\nevents: Ir\nsummary: 795668\ntotals: 795668\n"
+    )
+    assert read_totals(str(dump)) == 795668
+    (tmp_path / "empty").write_text("version: 1\n")
+    with pytest.raises(ValueError, match="no totals line"):
+        read_totals(str(tmp_path / "empty"))
+
+
+def test_counting_instructions_needs_the_hooks_preset(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "tiny", "--count", "instructions"])
+    assert exit_info.value.code == 2
+    assert "--count instructions: counts the hooks preset only" in capsys.readouterr().err

@@ -200,3 +200,15 @@ def test_max_host_bytes_below_the_need_keeps_gradients_and_the_cap(streams, cap_
 def test_max_host_bytes_must_be_bytes(value, error):
     with pytest.raises(error, match="max_host_bytes must be"):
         get_cpu_offload_context(True, 1, 2, max_host_bytes=value)
+
+
+def test_free_blocks_are_kept_per_size_class_so_lending_is_o1_in_blocks():
+    pool = HostBufferPool(HostBackend(), retain=False)
+    like = [torch.empty(1024) for _ in range(2000)]  # 4 KiB each: one class
+    lent = pool.acquire(0, like)
+    pool.release(0, lent)
+    assert pool._free_sizes == [4096] and len(pool._free[4096]) == 2000
+    again = pool.acquire(0, like[:1])  # taken from the class's list, not a sorted scan
+    assert pool._free_sizes == [4096] and len(pool._free[4096]) == 1999
+    pool.release(0, again)
+    assert pool.stats()["num_host_alloc"] == 2000

@@ -1,0 +1,59 @@
+"""The offloader's code runs eagerly, never traced or compiled by dynamo.
+
+NOTE [Hooks around compiled code]
+    A compiled region's runtime calls our pack and unpack hooks with dynamo's frame
+    callback installed, so dynamo would try to compile them as frames of their own;
+    and a compiled model that calls our context or ``sync_fn`` would trace them.  They
+    move tensors between streams and must run as written.  Wrapping each hook in
+    ``torch.compiler.disable`` does that at a cost on every saved tensor (two calls
+    that switch the frame callback off and on).  Instead the modules the hooks run
+    through are put on dynamo's list of files it skips (``trace_rules.add``): their
+    frames are never compiled, and a traced call into them is a graph break that runs
+    eagerly, at no cost per call.  Where that list cannot be extended (a PyTorch
+    without it), :func:`eager` falls back to ``torch.compiler.disable``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+__all__ = ["SKIPPED", "eager"]
+
+F = TypeVar("F", bound=Callable)
+
+#: the modules a pack or unpack hook runs through (not ``context``: ``start_offload``
+#: called in a compiled function is traced, and does nothing there, as before)
+_HOOK_MODULES = (
+    "cpu_offload.chunked",
+    "cpu_offload.copy_timer",
+    "cpu_offload.device",
+    "cpu_offload.host_buffers",
+    "cpu_offload.layer_state",
+    "cpu_offload.marks",
+    "cpu_offload.selection",
+    "cpu_offload.stats",
+    "cpu_offload.tensor_group",
+)
+
+
+def _skip_in_dynamo() -> bool:
+    try:
+        from torch._dynamo import trace_rules
+
+        for name in _HOOK_MODULES:
+            trace_rules.add(name)
+    except (ImportError, AttributeError, TypeError, AssertionError):
+        return False
+    return True
+
+
+#: whether dynamo skips the hook modules (else :func:`eager` wraps)
+SKIPPED = _skip_in_dynamo()
+
+
+def eager(function: F) -> F:
+    """``function`` as it is where dynamo skips its module, else compiler-disabled."""
+    return function if SKIPPED else torch.compiler.disable(function)
