@@ -352,23 +352,30 @@ class OffloadableLayerState:
             self._lease = weakref.ref(lease)
             weakref.finalize(lease, self._graph_released, self.generation).atexit = False
         self._versions.append(tensor._version)
-        self._originals.append(weakref.ref(tensor))
-        return _Offloaded(lease, self._pushed.append(self._alias(tensor, marks), event))
+        original = weakref.ref(tensor)
+        self._originals.append(original)
+        alias = self._alias(tensor, marks, original)
+        return _Offloaded(lease, self._pushed.append(alias, event))
 
-    def _alias(self, tensor: torch.Tensor, marks: TensorMarks | None) -> torch.Tensor:
+    def _alias(
+        self, tensor: torch.Tensor, marks: TensorMarks | None, original: weakref.ref[torch.Tensor]
+    ) -> torch.Tensor:
         """What the layer holds for ``tensor``: see NOTE [Saved tensors without their history]."""
         base = tensor._base
         if base is None or not offloads_through_base(tensor, marks):
-            return self._alias_of(tensor)
-        view = self._alias_of(base).as_strided(
+            return self._alias_of(tensor, original)
+        view = self._alias_of(base, None).as_strided(
             tensor.shape, tensor.stride(), tensor.storage_offset()
         )
         if marks is not None and marks.offload_base:
             set_mark(view, offload_base=True)  # the group processing reads the mark
         return view
 
-    def _alias_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """One alias without history per tensor object (so duplicates stay duplicates)."""
+    def _alias_of(
+        self, tensor: torch.Tensor, ref: weakref.ref[torch.Tensor] | None
+    ) -> torch.Tensor:
+        """One alias without history per tensor object (so duplicates stay duplicates);
+        ``ref``: a weak reference to ``tensor`` already made, if any."""
         if tensor.is_leaf and tensor._base is None:  # no grad_fn, no base: no history
             return tensor
         key = id(tensor)
@@ -376,7 +383,7 @@ class OffloadableLayerState:
         if entry is not None and entry[0]() is tensor:
             return entry[1]
         alias = tensor.detach()
-        self._aliases[key] = (weakref.ref(tensor), alias)
+        self._aliases[key] = (ref if ref is not None else weakref.ref(tensor), alias)
         return alias
 
     def push_by_hand(self, tensor: Any) -> Any:

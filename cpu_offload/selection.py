@@ -133,7 +133,7 @@ def kept_because(
     if tensor.layout is not torch.strided:
         return NOT_STRIDED
     base = tensor._base
-    if isinstance(base, torch.nn.Parameter):
+    if base is not None and isinstance(base, torch.nn.Parameter):  # (a Python-level check)
         return PARAMETER  # a view of a weight (Linear saves weight.t()) is a weight
     marks = marks_of(tensor)
     if is_marked_not_offload(tensor, marks):
