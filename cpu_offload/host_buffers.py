@@ -127,7 +127,9 @@ class HostBufferPool:
         self._peak_requested = 0
         self._num_alloc = 0
         self._num_free = 0
-        self._lock = threading.Lock()  # passes of several threads share the pool
+        # Passes of several threads share the pool.  Re-entrant: a garbage collection
+        # inside ``acquire`` may run a layer's finalizer, which gives its buffers back.
+        self._lock = threading.RLock()
 
     # -------------------------------------------------------------- lending
 

@@ -629,10 +629,7 @@ class OffloadableLayerState:
         return self._host_bytes / 2**20
 
 
-# Kept behind torch.compiler.disable: with the bare function, a run that raises inside
-# an unpack (autograd's in-place error) left a reload copy unwaited in the simulated CUDA
-# runtime of one test ordering; to be understood before this wrapper goes (issue 21).
-@torch.compiler.disable
+@eager
 def unpack_saved(handle: Any) -> Any:
     """The unpack hook: turn whatever a pack hook returned back into a tensor."""
     kind = type(handle)

@@ -23,6 +23,7 @@ NOTE [Strict stream simulation]
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import weakref
 from collections import Counter
@@ -208,10 +209,20 @@ class SimulatedStream:
         self.waited_compute_seq = 0  # compute work this stream has waited for
 
     def run_until(self, position: int) -> None:
-        while self.executed < min(position, len(self.queue)):
-            item = self.queue[self.executed]
-            self.executed += 1
-            item.run()
+        # A garbage collection inside a copy (any allocation) may run a layer's
+        # finalizer, which waits on this stream: the nested wait would find the copy
+        # in progress counted as executed and return before it ran.  A device runs its
+        # queue apart from the host; so does the simulator, with the collector off.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            while self.executed < min(position, len(self.queue)):
+                item = self.queue[self.executed]
+                self.executed += 1
+                item.run()
+        finally:
+            if collecting:
+                gc.enable()
 
     def wait_event(self, event: SimulatedEvent) -> None:
         self.sim.wait_event(self, event)

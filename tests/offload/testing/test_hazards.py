@@ -119,3 +119,38 @@ def test_the_correct_code_has_no_hazard():
         actual = train(layers, 2, inputs=(1, 2), retain=True, interleave=True)
     assert all(torch.equal(a, b) for a, b in zip(expected, actual))
     assert sim.counters.hazards == 0 and sim.counters.copies_run == sim.counters.copies_queued
+
+
+def _inplace_error_after_the_copy(k: int) -> RuntimeError:
+    """A saved tensor modified after its copy: the unpack in backward raises."""
+    ctx, sync_fn = get_cpu_offload_context(True, k, 3, min_offload_numel=0)
+    x = torch.randn(8, 4, requires_grad=True)
+    h = saved = x * 1.0
+    for index, fn in enumerate([torch.sin, torch.cos, torch.exp]):
+        with ctx:
+            out = fn(h)
+            if index == 2:
+                saved.mul_(2)  # saved by layer 0, copied out when layer 1 entered
+        h = sync_fn(out)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as error:
+        h.sum().backward()
+    return error.value
+
+
+@pytest.mark.parametrize("threshold", [1, 7, 30])
+def test_collections_at_any_moment_leave_no_copy_unwaited(streams, threshold):
+    """A garbage collection may run a layer's finalizer in the middle of anything (a
+    simulated copy included): in-place errors raised inside unpacks, their graphs freed
+    with the errors' tracebacks by the collector; no copy is left unwaited."""
+    import gc
+
+    old = gc.get_threshold()
+    gc.set_threshold(threshold, 2, 2)
+    try:
+        for _ in range(3):
+            for k in (1, 2):
+                error = _inplace_error_after_the_copy(k)
+                del error
+        gc.collect()
+    finally:
+        gc.set_threshold(*old)
