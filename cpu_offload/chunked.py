@@ -34,6 +34,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .context import _active_depth, _forward_inside_backward, _saved_tensors_hooks_enabled
 from .eager import eager
+from .errors import CpuOffloadError
 from .layer_state import LayerState, OffloadableLayerState, _Offloaded, unpack_saved
 from .selection import is_offloadable
 from .synchronizer import OffloadSynchronizer
@@ -115,9 +116,9 @@ class ChunkedOffload:
     def __enter__(self) -> ChunkedOffload:
         run = self._forward
         if run.hooks is not None or run.inert:
-            raise RuntimeError(
+            raise CpuOffloadError(
                 "cpu_offload: the offload context was entered again before it was left; "
-                "enter it once around the forward."
+                "enter it once around the forward (one `with` block per forward pass)."
             )
         run.inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
         if run.inert:  # checkpoint recomputation, torch.func: nothing to offload
@@ -155,7 +156,7 @@ class ChunkedOffload:
         run = self._forward
         chunk = run.chunk
         if chunk is None:  # pragma: no cover - the hooks live only while a chunk is open
-            raise RuntimeError("cpu_offload internal error: a push outside the context.")
+            raise CpuOffloadError("cpu_offload internal error: a push outside the context.")
         if run.chunk_bytes >= self.chunk_bytes and self._moves(tensor):
             chunk = self._close_chunk()  # a full chunk closes at the next tensor that moves
         handle = chunk.push_tensor(tensor)
@@ -177,7 +178,7 @@ class ChunkedOffload:
         run = self._forward
         full = run.chunk
         if full is None:  # pragma: no cover
-            raise RuntimeError("cpu_offload internal error: no chunk to close.")
+            raise CpuOffloadError("cpu_offload internal error: no chunk to close.")
         full.start_offload()
         if run.copying is not None:
             run.copying.release_activation_forward_gpu_memory()

@@ -175,3 +175,17 @@ def test_the_drop_in_default_warns_nothing_and_takes_trls_keywords():
     assert trl.offload_synchronizer.min_offload_bytes == 2048
     assert trl.offload_synchronizer.stats.tensors_offloaded > 0
     trl.remove()
+
+
+def test_entering_twice_is_an_error_and_leaves_the_first_entry_working():
+    from cpu_offload import CpuOffloadError
+
+    model = make_model()
+    ctx = ChunkedOffload(1, min_offload_numel=0)
+    with ctx:
+        with pytest.raises(CpuOffloadError, match="entered again before it was left"):
+            ctx.__enter__()
+        loss = model(torch.randn(16, 32, requires_grad=True)).sum()
+    loss.backward()
+    assert ctx.offload_synchronizer.stats.tensors_offloaded > 0
+    assert not is_cpu_offload_enabled()
