@@ -228,12 +228,10 @@ class HostBufferPool:
             block = self._take_free(size)
         else:
             size = size_class(nbytes)
-            self._evict_for(size)  # (in retain mode nothing is free to evict)
-            if self.max_bytes is not None and self._reserved + size > self.max_bytes:
-                while self._free_sizes and self._reserved + size > self.max_bytes:
-                    largest = self._free_sizes[-1]
-                    self._take_free(largest)
-                    self._count_freed(largest)
+            # (in retain mode nothing is free to evict)
+            self._evict_for(size, 2 * self._peak_requested)
+            if self.max_bytes is not None:
+                self._evict_for(size, self.max_bytes)
                 if self._reserved + size > self.max_bytes:
                     return None
             block = _Block(self._backend.empty_host_bytes(size))
@@ -242,9 +240,8 @@ class HostBufferPool:
         self._in_use += size
         return block
 
-    def _evict_for(self, size: int) -> None:
-        """Free unused blocks, largest first, until ``size`` more bytes fit the bound."""
-        limit = 2 * self._peak_requested
+    def _evict_for(self, size: int, limit: int) -> None:
+        """Free unused blocks, largest first, until ``size`` more bytes fit ``limit``."""
         while self._free_sizes and self._reserved + size > limit:
             largest = self._free_sizes[-1]
             self._take_free(largest)

@@ -498,10 +498,20 @@ class OffloadableLayerState:
         unique = self._unique.tensor_list
         if any(h is None for h in self._host):  # the pool is at max_host_bytes
             self._stay = [t if h is None else None for h, t in zip(self._host, unique)]
-        self._host_bytes = sum(h.numel() * h.element_size() for h in self._host if h is not None)
-        pairs = [(h, t) for h, t in zip(self._host, unique) if h is not None]
-        self._copy("d2h", [h for h, _ in pairs], [t for _, t in pairs])
+        hosts, sources = self._with_host(unique)
+        self._host_bytes = sum(h.numel() * h.element_size() for h in hosts)
+        self._copy("d2h", hosts, sources)
         self._in_flight = [backend.record_event(stream)]
+
+    def _with_host(
+        self, device_tensors: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The host buffers and the device tensors (one per unique tensor) of the tensors
+        that have a buffer: all of them, unless the pool was at ``max_host_bytes``."""
+        if not self._stay:
+            return cast(list[torch.Tensor], self._host), device_tensors
+        pairs = [(h, t) for h, t in zip(self._host, device_tensors) if h is not None]
+        return [h for h, _ in pairs], [t for _, t in pairs]
 
     def _copy(self, direction: str, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         """The layer's copies in one direction on the offload stream: timed, counted."""
@@ -547,8 +557,8 @@ class OffloadableLayerState:
             for host, kept in zip(self._host, stay)
         ]
         backend.wait_stream(stream, backend.current_stream())
-        copied = [(t, h) for t, h in zip(targets, self._host) if h is not None]
-        self._copy("h2d", [t for t, _ in copied], [h for _, h in copied])
+        hosts, reloaded = self._with_host(targets)
+        self._copy("h2d", reloaded, hosts)
         # One event for the layer: its first pop waits for every copy.
         event = self._reload_event = backend.record_event(stream)
         self._reload_waited_on = _NOT_WAITED

@@ -109,11 +109,11 @@ def gpt_layer(
     )
 
 
-def check_hf_config(config_source: str) -> str:
-    """Where transformers should read ``config_source`` from, after checking what can be
-    checked without it: a local ``config.json`` (or a folder holding one) must exist and
-    be a JSON object with ``model_type``; anything else is a cached model name, which
-    needs transformers.
+def check_hf_config(config_source: str) -> tuple[str, dict[str, Any] | None]:
+    """Where transformers should read ``config_source`` from, and the config when it is
+    a local file, after checking what can be checked without transformers: a local
+    ``config.json`` (or a folder holding one) must exist and be a JSON object with
+    ``model_type``; anything else is a cached model name, which needs transformers.
 
     Raises:
         ValueError: a missing or malformed file, or a name without transformers installed.
@@ -134,14 +134,14 @@ def check_hf_config(config_source: str) -> str:
                 f"--hf-config {config_source}: expected a Hugging Face config.json, a JSON "
                 "object with a model_type field"
             )
-        return os.path.dirname(os.path.abspath(path))
+        return os.path.dirname(os.path.abspath(path)), config
     if importlib.util.find_spec("transformers") is None:
         raise ValueError(
             f"--hf-config {config_source}: not a local file; a model name is read from the "
             "Hugging Face cache, which needs transformers (pip install transformers), or "
             "pass the path of its config.json"
         )
-    return config_source
+    return config_source, None
 
 
 #: model types whose decoder layer is cpu_offload's Llama layer, shape for shape
@@ -197,13 +197,9 @@ def hf_layer(
     ``attn_implementation="eager"``, ``"flash"`` with ``"sdpa"``.  The layer's inputs are
     captured from a forward of the whole model on the meta device.
     """
-    source = check_hf_config(config_source)
-    if importlib.util.find_spec("transformers") is None:  # a local file (checked above)
-        path = config_source
-        if not os.path.isfile(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as file:
-            return llama_layer_from_config(config_source, json.load(file), seq, batch, dtype)
+    source, local = check_hf_config(config_source)
+    if local is not None and importlib.util.find_spec("transformers") is None:
+        return llama_layer_from_config(config_source, local, seq, batch, dtype)
     import transformers  # the planner's optional host
     from transformers import masking_utils
 
