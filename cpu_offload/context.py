@@ -7,7 +7,7 @@ import contextvars
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import torch
@@ -471,6 +471,7 @@ def get_cpu_offload_context(
     min_offload_numel: int = ...,
     min_offload_bytes: int = ...,
     max_host_bytes: int | None = ...,
+    offloaded_layers: Sequence[int] | None = ...,
 ) -> tuple[ContextManager, SyncFn]: ...
 
 
@@ -509,6 +510,7 @@ def get_cpu_offload_context(
     min_offload_numel: int = ...,
     min_offload_bytes: int = ...,
     max_host_bytes: int | None = ...,
+    offloaded_layers: Sequence[int] | None = ...,
 ) -> _Result: ...
 
 
@@ -527,6 +529,7 @@ def get_cpu_offload_context(
     min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
     min_offload_bytes: int = 0,
     max_host_bytes: int | None = None,
+    offloaded_layers: Sequence[int] | None = None,
 ) -> _Result:
     """Offload the activations of chosen layers to host memory.
 
@@ -554,6 +557,9 @@ def get_cpu_offload_context(
         max_host_bytes: the most host memory (pinned on accelerators) the offloader may
             hold, for ranks that share a host; a tensor that does not fit stays on the
             device, counted in ``stats.tensors_kept_by_host_cap``, with one warning.
+        offloaded_layers: which layers to offload, in place of the first ``num_layers``
+            (any layers but the last; the default schedule, see
+            :class:`DefaultOffloadSynchronizer`).
 
     Returns:
         ``(context, sync_fn)``, or ``(context, sync_fn, controller)`` in manual mode.
@@ -582,6 +588,14 @@ def get_cpu_offload_context(
         retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
     )
     del double_buffering  # accepted for compatibility
+    if offloaded_layers is not None:
+        if manual_synchronization:
+            raise ValueError(
+                "cpu_offload: offloaded_layers chooses layers for the default schedule; with "
+                "manual_synchronization=True you call the transitions yourself. Pass one or "
+                "the other."
+            )
+        num_layers = len(offloaded_layers) if isinstance(offloaded_layers, Sequence) else 0
     if enabled:
         _validate(
             num_layers,
@@ -617,6 +631,7 @@ def get_cpu_offload_context(
         min_offload_numel=min_offload_numel,
         min_offload_bytes=min_offload_bytes,
         max_host_bytes=max_host_bytes,
+        offloaded_layers=offloaded_layers,
     )
     context = OffloadContext(synchronizer)
     return context, context.sync_fn

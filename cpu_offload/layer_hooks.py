@@ -21,6 +21,7 @@ from .context import (
     mark_not_offload,
 )
 from .errors import CpuOffloadError
+from .policy import OFFLOADED, CheckpointedForward, check_policy, checkpointed_modules
 
 __all__ = ["LAYER_PATHS", "OffloadLayersHandle", "find_layers", "offload_layers"]
 
@@ -309,9 +310,14 @@ class OffloadLayersHandle:
 
 
 def offload_layers(
-    model: nn.Module | Sequence[nn.Module], num_offloaded_layers: int | float, **options: Any
+    model: nn.Module | Sequence[nn.Module],
+    num_offloaded_layers: int | float | None = None,
+    *,
+    policy: Sequence[str] | None = None,
+    **options: Any,
 ) -> OffloadLayersHandle:
-    """Offload the activations of the first ``num_offloaded_layers`` decoder layers.
+    """Offload the activations of the first ``num_offloaded_layers`` decoder layers, or
+    apply a per-layer ``policy``.
 
     Each module's forward runs inside the offload context (forward pre- and post-hooks)
     and its output goes through ``sync_fn``, whether it returns a tensor, a tuple or a
@@ -329,6 +335,11 @@ def offload_layers(
             peft, torchtune, Megatron-Core), or the layers themselves.
         num_offloaded_layers: ``k``, ``0 <= k <= L - 1``; or a fraction in ``[0, 1)``
             of the ``L`` layers, rounded down.
+        policy: instead of ``k``, one choice per layer: ``"keep"``, ``"offload"``,
+            ``"checkpoint"`` (non-reentrant recomputation: only the layer's inputs stay
+            saved) or ``"checkpoint+offload"`` (those inputs go to the host too); the
+            last layer is not offloaded.  ``python -m cpu_offload.plan --memory-budget``
+            chooses one.  ``handle.remove()`` also undoes the checkpointing.
         **options: keyword arguments of :func:`get_cpu_offload_context`
             (``retain_pinned_cpu_buffers``, ``device``, ``min_offload_numel``,
             ``manual_synchronization``, ``offload_stream``).
@@ -351,11 +362,29 @@ def offload_layers(
     """
     layers = find_layers(model)
     manual = bool(options.get("manual_synchronization", False))
-    count = _resolve_count(num_offloaded_layers, len(layers))
+    owner = type(model).__name__
+    if (policy is None) == (num_offloaded_layers is None):
+        raise TypeError(
+            "offload_layers: pass either num_offloaded_layers (k) or policy=[...], "
+            f"{'not both' if policy is not None else 'got neither'}."
+        )
+    checkpointed: list[nn.Module] = []
+    if policy is not None:
+        if manual:
+            raise ValueError(
+                "offload_layers: policy= schedules the offloaded layers itself; it does not "
+                "combine with manual_synchronization=True."
+            )
+        chosen = check_policy(policy, len(layers), owner)
+        options["offloaded_layers"] = [i for i, c in enumerate(chosen) if c in OFFLOADED]
+        checkpointed = checkpointed_modules(layers, chosen, owner)
+        count = len(options["offloaded_layers"])
+    else:
+        count = _resolve_count(num_offloaded_layers, len(layers))  # type: ignore[arg-type]
     if not manual and not 0 <= count <= len(layers) - 1:
         raise ValueError(
             f"offload_layers: k={num_offloaded_layers!r} but {len(layers)} layers were found "
-            f"(in {type(model).__name__}); k must be an int in 0..{len(layers) - 1} (the "
+            f"(in {owner}); k must be an int in 0..{len(layers) - 1} (the "
             "last layer is never offloaded) or a fraction in [0, 1)."
         )
     result = get_cpu_offload_context(True, count, len(layers), **options)
@@ -419,6 +448,8 @@ def offload_layers(
     for layer in unique:
         handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
         handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
+    # Inside the hooks: see NOTE [Checkpoint inside the offload context]
+    handle._hooks.extend(CheckpointedForward(layer) for layer in checkpointed)
     if count > 0:
         handle._watch_for_missed_forwards(unique)
     return handle

@@ -12,6 +12,7 @@ import threading
 import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -316,6 +317,29 @@ class OffloadSynchronizer:
         return self.host_buffers.stats()
 
 
+def _check_offloaded_layers(layers: object, num_layers: int) -> list[int]:
+    """``offloaded_layers`` sorted, after checking it names distinct layers but the last."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise TypeError(
+            "cpu_offload: offloaded_layers must be a sequence of layer indices, got "
+            f"{type(layers).__name__} {layers!r}."
+        )
+    bad = [
+        layer
+        for layer in layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers - 1
+    ]
+    chosen = sorted(set(layers)) if not bad else []
+    if bad or len(chosen) != len(layers):
+        why = f"{bad[0]!r} is not one" if bad else "an index appears twice"
+        raise ValueError(
+            f"cpu_offload: offloaded_layers must name distinct layers in 0..{num_layers - 2} "
+            f"(model_layers={num_layers}; the last layer is never offloaded): {why} in "
+            f"{list(layers)!r}."
+        )
+    return chosen
+
+
 class DefaultOffloadSynchronizer(OffloadSynchronizer):
     """Offloads layers ``0..k-1`` of every pass on a fixed schedule.
 
@@ -328,10 +352,18 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     num_offloaded_layers=k)``, and driven by ``fwd_step``/``push_tensor``/``bwd_step``/
     ``pop_tensor``/``finish_part_of_bwd`` when used without a context.
 
+    With ``offloaded_layers`` (any layers but the last, in any order), the ``i``-th of
+    the ``m`` offloaded layers, counted from the first, takes the place of layer ``i``
+    above: released at the forward of layer ``L - m + i``, reloaded at the backward of
+    layer ``L - 1 - m + i``; its offload still starts at the forward of the next layer.
+
     Args:
         num_layers: layers per forward pass (``L``).
         num_offloaded_layers: layers to offload (``k``), ``0 <= k <= L - 1``; 1 by
             default, as ``get_cpu_offload_context``.
+        offloaded_layers: which layers to offload instead of the first ``k`` (a
+            :func:`~cpu_offload.offload_layers` policy's ``offload`` and
+            ``checkpoint+offload`` layers); ``num_offloaded_layers`` is then ignored.
         retain_pinned_cpu_buffers, offload_stream, device, min_offload_numel,
             min_offload_bytes, max_host_bytes: as for :class:`OffloadSynchronizer`.
     """
@@ -347,8 +379,12 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
         min_offload_bytes: int = 0,
         max_host_bytes: int | None = None,
+        offloaded_layers: Sequence[int] | None = None,
     ) -> None:
         _check_model_layers(num_layers)
+        if offloaded_layers is not None:
+            chosen = _check_offloaded_layers(offloaded_layers, num_layers)
+            num_offloaded_layers = len(chosen)
         if (
             not isinstance(num_offloaded_layers, int)
             or not 0 <= num_offloaded_layers <= num_layers - 1
@@ -369,14 +405,16 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             max_host_bytes=max_host_bytes,
         )
         self.num_offloaded_layers = k = num_offloaded_layers
+        self.offloaded_layers = chosen if offloaded_layers is not None else list(range(k))
+        self._offloaded = frozenset(self.offloaded_layers)
         self.release_schedule: defaultdict[int, list[int]] = defaultdict(list)
         self.reload_schedule: defaultdict[int, list[int]] = defaultdict(list)
-        for layer in range(k):
-            self.release_schedule[num_layers - k + layer].append(layer)
-            self.reload_schedule[num_layers - 1 - k + layer].append(layer)
+        for rank, layer in enumerate(self.offloaded_layers):
+            self.release_schedule[num_layers - k + rank].append(layer)
+            self.reload_schedule[num_layers - 1 - k + rank].append(layer)
 
     def layer_is_offloaded(self, layer: int) -> bool:
-        return layer < self.num_offloaded_layers
+        return layer in self._offloaded
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
         states = forward_pass.layer_states
@@ -388,7 +426,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     def _on_forward_end(self, forward_pass: ForwardPass) -> None:
         if not self.warn_if_nothing_moved or self.num_offloaded_layers == 0:
             return
-        states = forward_pass.layer_states[: self.num_offloaded_layers]
+        states = [forward_pass.layer_states[layer] for layer in self.offloaded_layers]
         largest = max(state.largest_below_threshold for state in states)
         if largest and not any(state.num_offloaded_tensors for state in states):
             self.warn_if_nothing_moved = False  # once

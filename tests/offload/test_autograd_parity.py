@@ -47,6 +47,12 @@ class Offload:
             handle = offload_layers(modules, self.k, min_offload_numel=0)
             self.handles.append(handle.context)
 
+    def policy(self, modules: list[torch.nn.Module], policy: list[str]) -> None:
+        """``offload_layers(modules, policy=...)``; the baseline runs the plain modules."""
+        if self.k is not None:
+            handle = offload_layers(modules, policy=policy, min_offload_numel=0)
+            self.handles.append(handle.context)
+
     @property
     def tensors_offloaded(self) -> int:
         return sum(h.offload_synchronizer.stats.tensors_offloaded for h in self.handles)
@@ -467,6 +473,39 @@ def whole_forward_in_chunks(inplace: bool) -> Callable[[Offload], list]:
     return program
 
 
+#: a policy with every choice for each k the rows run at (k layers offloaded); layer 1
+#: is checkpointed and offloaded in both
+POLICIES = {
+    1: ["keep", "checkpoint+offload", "checkpoint"],
+    2: ["offload", "checkpoint+offload", "checkpoint"],
+}
+
+
+def per_layer_policy(inplace: bool) -> Callable[[Offload], list]:
+    """offload_layers(policy=...): checkpointed layers with dropout (recomputed with the
+    same masks), offloaded checkpoint inputs; optionally a checkpointed layer's input
+    modified in place after the forward."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Tanh())
+            for _ in range(L)
+        ]
+        off.policy(blocks, POLICIES[off.k or 1])
+        x = leaf(8, 4)
+        h, inputs = x * 1, []
+        for block in blocks:
+            inputs.append(h)
+            h = block(h)
+        if inplace:
+            inputs[1].mul_(2)  # layer 1's input, saved by its checkpoint
+        h.sum().backward()
+        return [x.grad, *(p.grad for block in blocks for p in block.parameters())]
+
+    return program
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -513,6 +552,8 @@ PROGRAMS = {
     "min_offload_bytes": Row(byte_threshold),
     "OffloadActivations around a whole forward": Row(whole_forward_in_chunks(False)),
     "OffloadActivations, in-place after save": Row(whole_forward_in_chunks(True), match=MODIFIED),
+    "policy: keep, offload, checkpoint, checkpoint+offload": Row(per_layer_policy(False)),
+    "policy, a checkpoint's input modified in place": Row(per_layer_policy(True), match=MODIFIED),
 }
 
 
