@@ -5,14 +5,17 @@
 - :class:`DeviceProfile` (``profiles.py``): a device's compute rate and host link.
 - :func:`plan_offload` (``schedule_model.py``): an event model of the default schedule
   that predicts, for every k, activation memory and exposed copy time.
+- :func:`choose_policy` (``policy_search.py``): for a memory budget, keep, offload,
+  checkpoint or checkpoint+offload per layer, the fastest mix that fits.
 - ``python -m cpu_offload.plan``: the same from the command line.
 """
 
 from __future__ import annotations
 
 from .census import ATTENTIONS, LayerProfile, measure_layer
+from .policy_search import PolicyPlan, choose_policy
 from .profiles import PROFILES, DeviceProfile
-from .schedule_model import Plan, PlanRow, plan_offload, simulate
+from .schedule_model import Plan, PlanRow, plan_offload, simulate, simulate_policy
 
 __all__ = [
     "ATTENTIONS",
@@ -21,7 +24,10 @@ __all__ = [
     "LayerProfile",
     "Plan",
     "PlanRow",
+    "PolicyPlan",
+    "choose_policy",
     "measure_layer",
     "plan_offload",
     "simulate",
+    "simulate_policy",
 ]

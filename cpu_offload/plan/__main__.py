@@ -7,12 +7,15 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ..cli import Parser, at_least, positive_float
 from ..models import DTYPES
+from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .census import ATTENTIONS, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
+from .policy_search import PolicyPlan
 from .profiles import PROFILES, get_profile, with_flops
 from .schedule_model import Plan, PlanRow, plan_offload
 
@@ -58,7 +61,10 @@ def parser() -> Parser:
     parser.add_argument("--min-offload-numel", type=at_least(0), default=DEFAULT_MIN_OFFLOAD_NUMEL)
     parser.add_argument("--overhead", type=_fraction, default=0.02, help="allowed step overhead")
     parser.add_argument(
-        "--memory-budget", type=positive_float, default=None, help="GiB of activations"
+        "--memory-budget",
+        type=positive_float,
+        default=None,
+        help="GiB of saved activations: also choose keep/offload/checkpoint per layer",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also plot memory and overhead per k")
@@ -108,14 +114,41 @@ def print_plan(plan: Plan, description: str) -> None:
     )
     print(f"largest k within {plan.overhead_budget:.1%} overhead: {plan.largest_hidden_k}")
     if plan.memory_budget is not None:
-        budget = f"{plan.memory_budget / GIB:.2f} GiB"
+        budget = budget_text(plan.memory_budget)
         if plan.needs_checkpointing:
-            print(
-                f"no k fits {budget} of activations: offloading alone is not enough; "
-                "checkpoint (recompute) some layers as well"
-            )
+            print(f"no k fits {budget} of activations: offloading alone is not enough")
         else:
             print(f"smallest k that fits {budget} of activations: {plan.smallest_fitting_k}")
+    if plan.policy is not None:
+        print_policy(plan.policy)
+
+
+def budget_text(budget: int) -> str:
+    """A budget in GiB, with the digits a small one needs."""
+    return f"{budget / GIB:.2f} GiB" if budget >= GIB // 10 else f"{budget / GIB:.4f} GiB"
+
+
+def print_policy(choice: PolicyPlan) -> None:
+    """The chosen policy as a table of runs of layers, and what it is predicted to cost."""
+    row = choice.predicted
+    budget = budget_text(choice.memory_budget)
+    if choice.fits:
+        print(f"policy for {budget} (the fastest of {choice.candidates} that fits):")
+    else:
+        print(
+            f"policy for {budget}: NOTHING FITS, not even checkpointing every layer and "
+            f"offloading its inputs; the closest of {choice.candidates} (smallest peak):"
+        )
+    print(f"  {'layers':>9}  {'choice':<18}")
+    for first, last, what in choice.blocks():
+        print(f"  {f'{first}-{last}' if last > first else str(first):>9}  {what:<18}")
+    print(
+        f"  predicted: end of forward {row.end_of_forward_bytes / GIB:.3f} GiB, peak "
+        f"{row.peak_bytes / GIB:.3f} GiB, offloaded {row.offloaded_bytes / GIB:.3f} GiB/step, "
+        f"step {row.step_s * 1e3:.3f} ms ({row.overhead:.2%} overhead: "
+        f"{row.recompute_s * 1e3:.3f} ms recompute, {row.exposed_copy_s * 1e3:.3f} ms copies)"
+    )
+    print(f"  apply it: offload_layers(model, policy={choice.policy!r})")
 
 
 def host_bytes_per_rank(row: PlanRow) -> int:
@@ -143,6 +176,23 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
         "memory_budget": plan.memory_budget,
         "smallest_fitting_k": plan.smallest_fitting_k,
         "needs_checkpointing": plan.needs_checkpointing,
+    } | (policy_json(plan.policy) if plan.policy is not None else {})
+
+
+def policy_json(choice: PolicyPlan) -> dict[str, object]:
+    row = choice.predicted
+    return {
+        "policy": choice.policy,
+        "policy_fits": choice.fits,
+        "policy_predicted": {
+            "end_of_forward_bytes": row.end_of_forward_bytes,
+            "peak_bytes": row.peak_bytes,
+            "offloaded_bytes_per_step": row.offloaded_bytes,
+            "step_time_s": row.step_s,
+            "overhead": row.overhead,
+            "recompute_s": row.recompute_s,
+            "exposed_copy_s": row.exposed_copy_s,
+        },
     }
 
 
@@ -156,7 +206,17 @@ def write_plot(plan: Plan, path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]')"
     ks = [row.k for row in plan.rows]
-    figure, memory = plt.subplots(figsize=(7, 4))
+    if plan.policy is not None:
+        figure, (memory, layers) = plt.subplots(
+            2, 1, figsize=(7, 5.5), gridspec_kw={"height_ratios": [3, 1]}
+        )
+        draw_policy(layers, plan.policy.policy)
+        layers.set_title(
+            f"policy for {budget_text(plan.policy.memory_budget)}"
+            + ("" if plan.policy.fits else " (nothing fits: the closest)")
+        )
+    else:
+        figure, memory = plt.subplots(figsize=(7, 4))
     memory.plot(ks, [r.peak_bytes / GIB for r in plan.rows], "o-", label="peak activations")
     memory.set_xlabel("k (layers offloaded)")
     memory.set_ylabel("GiB")
@@ -168,6 +228,22 @@ def write_plot(plan: Plan, path: str) -> str | None:
     figure.savefig(path)
     plt.close(figure)
     return None
+
+
+#: a colour per policy choice, in plots
+POLICY_COLOURS = {KEEP: "C7", OFFLOAD: "C0", CHECKPOINT: "C1", CHECKPOINT_OFFLOAD: "C2"}
+
+
+def draw_policy(axes: Any, policy: Sequence[str]) -> None:
+    """One coloured cell per layer, a legend of the choices."""
+    for index, choice in enumerate(policy):
+        axes.barh(0, 1, left=index, color=POLICY_COLOURS[choice], edgecolor="white")
+    for choice, colour in POLICY_COLOURS.items():
+        axes.barh(0, 0, color=colour, label=choice)
+    axes.set_yticks([])
+    axes.set_xlim(0, len(policy))
+    axes.set_xlabel("layer")
+    axes.legend(ncol=4, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.6))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,10 @@ class LayerProfile:
         attention: which attention was measured (see :data:`ATTENTIONS`).
         min_offload_numel: the threshold the classification used.
         description: what was measured (shapes, dtype).
+        input_bytes: what the layer keeps saved when it is checkpointed: the storages of
+            its positional tensor inputs (what non-reentrant checkpointing saves).
+        input_offloaded_bytes, input_tensors_offloaded: what the offloader copies of
+            those when the layer is checkpointed and offloaded.
     """
 
     saved_bytes: int
@@ -64,6 +68,9 @@ class LayerProfile:
     attention: str
     min_offload_numel: int
     description: str = ""
+    input_bytes: int = 0
+    input_offloaded_bytes: int = 0
+    input_tensors_offloaded: int = 0
     saved: list[tuple[tuple[int, ...], str, str]] = field(default_factory=list, repr=False)
 
 
@@ -194,6 +201,9 @@ def measure_layer(
         )
     with FlopCounterMode(display=False) as backward_counter:
         primary.backward(torch.empty_like(primary))
+    checkpointed = _classify(
+        [t for t in inputs if isinstance(t, torch.Tensor)], layer, min_offload_numel
+    )
     extra_forward = sum(sdpa_flop_count(q, k, v) for q, k, v in mode.uncounted)
     extra_backward = sum(sdpa_backward_flop_count(q, q, k, v) for q, k, v in mode.uncounted)
     return LayerProfile(
@@ -203,6 +213,9 @@ def measure_layer(
         attention=attention,
         min_offload_numel=min_offload_numel,
         description=description,
+        input_bytes=checkpointed["saved_bytes"],
+        input_offloaded_bytes=checkpointed["offloaded_bytes"],
+        input_tensors_offloaded=checkpointed["tensors_offloaded"],
     )
 
 

@@ -20,12 +20,18 @@ Every time it gives is a prediction.  Memory is the layers' saved activations on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from ..policy import CHECKPOINTED, KEEP, OFFLOAD, OFFLOADED
 from .census import LayerProfile
 from .profiles import DeviceProfile, get_profile
 
-__all__ = ["Plan", "PlanRow", "plan_offload", "simulate"]
+if TYPE_CHECKING:
+    from .policy_search import PolicyPlan
+
+__all__ = ["LayerCosts", "Plan", "PlanRow", "plan_offload", "simulate", "simulate_policy"]
 
 
 @dataclass
@@ -38,9 +44,10 @@ class PlanRow:
         peak_bytes: the most saved activations on the device at any step.
         offloaded_bytes: bytes copied to the host per step (and back).
         exposed_copy_s: time the compute stream waits for copies.
-        step_s: forward plus backward, waits included.
+        step_s: forward plus backward, waits and recomputation included.
         overhead: ``step_s`` over the step without offload, minus one.
         log: ``(step, action, activations on the device after it)`` per step.
+        recompute_s: time spent running checkpointed layers' forwards again.
     """
 
     k: int
@@ -51,6 +58,39 @@ class PlanRow:
     step_s: float
     overhead: float
     log: list[tuple[str, str, int]] = field(default_factory=list, repr=False)
+    recompute_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What the event model needs of one layer (bytes, and seconds on the device).
+
+    Attributes:
+        saved_bytes, offloaded_bytes, kept_bytes: as in :class:`LayerProfile`.
+        input_bytes: what a checkpointed layer keeps saved: its inputs.
+        input_offloaded_bytes: what of those a checkpointed, offloaded layer copies.
+        forward_s, backward_s: the layer's compute time.
+    """
+
+    saved_bytes: int
+    offloaded_bytes: int
+    kept_bytes: int
+    forward_s: float
+    backward_s: float
+    input_bytes: int = 0
+    input_offloaded_bytes: int = 0
+
+    @classmethod
+    def of(cls, layer: LayerProfile, device: DeviceProfile) -> LayerCosts:
+        return cls(
+            saved_bytes=layer.saved_bytes,
+            offloaded_bytes=layer.offloaded_bytes,
+            kept_bytes=layer.kept_bytes,
+            forward_s=layer.forward_flops / device.flops_per_s,
+            backward_s=layer.backward_flops / device.flops_per_s,
+            input_bytes=layer.input_bytes,
+            input_offloaded_bytes=layer.input_offloaded_bytes,
+        )
 
 
 def simulate(
@@ -68,12 +108,38 @@ def simulate(
     """Run the default schedule of ``k`` of ``num_layers`` identical layers."""
     if not 0 <= k <= num_layers - 1:
         raise ValueError(f"simulate: k must be in [0, {num_layers - 1}], got {k}.")
-    L = num_layers
+    costs = LayerCosts(saved_bytes, offloaded_bytes, kept_bytes, forward_s, backward_s)
+    policy = [OFFLOAD] * k + [KEEP] * (num_layers - k)
+    return simulate_policy(policy, costs, d2h_bytes_per_s, h2d_bytes_per_s)
+
+
+def simulate_policy(
+    policy: Sequence[str],
+    costs: LayerCosts,
+    d2h_bytes_per_s: float,
+    h2d_bytes_per_s: float,
+    *,
+    log: bool = True,
+) -> PlanRow:
+    """Run the default schedule with a per-layer policy (see :mod:`cpu_offload.policy`):
+    the offloaded layers (``offload``, ``checkpoint+offload``) are released and reloaded
+    as :class:`~cpu_offload.DefaultOffloadSynchronizer` schedules its ``offloaded_layers``;
+    a checkpointed layer keeps its inputs saved and runs its forward again in backward,
+    where its saved activations are back on the device until the layer below runs."""
+    L = len(policy)
+    offloaded = [j for j, choice in enumerate(policy) if choice in OFFLOADED]
+    m = len(offloaded)
+    release_at = {layer: L - m + rank for rank, layer in enumerate(offloaded)}
+    reload_at = {layer: L - 1 - m + rank for rank, layer in enumerate(offloaded)}
+    released_at = {at: layer for layer, at in release_at.items()}
+    reloaded_at = {at: layer for layer, at in reload_at.items()}
+    saved = [costs.saved_bytes if c not in CHECKPOINTED else costs.input_bytes for c in policy]
+    moved = [costs.offloaded_bytes if c == OFFLOAD else costs.input_offloaded_bytes for c in policy]
     compute = copies = waited = 0.0
     resident = [0] * L  # each layer's saved bytes on the device
     copy_done: dict[int, float] = {}
     reload_done: dict[int, float] = {}
-    log: list[tuple[str, str, int]] = []
+    steps: list[tuple[str, str, int]] = []
     peak = 0
 
     def wait_for(done: float) -> None:
@@ -86,50 +152,58 @@ def simulate(
         nonlocal peak
         total = sum(resident)
         peak = max(peak, total)
-        log.append((step, "; ".join(actions) or "-", total))
+        if log:
+            steps.append((step, "; ".join(actions) or "-", total))
 
     for j in range(L):
         actions = []
-        if 1 <= j and j - 1 < k:
+        if j >= 1 and j - 1 in release_at:
             start = max(copies, compute)
-            copies = copy_done[j - 1] = start + offloaded_bytes / d2h_bytes_per_s
+            copies = copy_done[j - 1] = start + moved[j - 1] / d2h_bytes_per_s
             actions.append(f"start offload {j - 1}")
-        i = j - (L - k)
-        if 0 <= i < k:
+        if j in released_at:
+            i = released_at[j]
             wait_for(copy_done[i])
-            resident[i] = kept_bytes
+            resident[i] = saved[i] - moved[i]
             actions.append(f"release {i}")
-        compute += forward_s
-        resident[j] = saved_bytes
+        compute += costs.forward_s
+        resident[j] = saved[j]
         note(f"fwd {j}", actions)
     end_of_forward = sum(resident)
+    recompute = 0.0
     for j in reversed(range(L)):
         actions = []
         if j + 1 < L:
             resident[j + 1] = 0
             actions.append(f"release {j + 1}")
-        i = j - (L - 1 - k)
-        if 0 <= i < k:
+        if j in reloaded_at:
+            i = reloaded_at[j]
             start = max(copies, compute)
-            copies = reload_done[i] = start + offloaded_bytes / h2d_bytes_per_s
-            resident[i] += offloaded_bytes
+            copies = reload_done[i] = start + moved[i] / h2d_bytes_per_s
+            resident[i] += moved[i]
             actions.append(f"start reload {i}")
-        if j < k:
+        if j in release_at:
             wait_for(reload_done[j])
-        compute += backward_s
+        if policy[j] in CHECKPOINTED:
+            compute += costs.forward_s
+            recompute += costs.forward_s
+            resident[j] = costs.saved_bytes
+            actions.append(f"recompute {j}")
+        compute += costs.backward_s
         note(f"bwd {j}", actions)
     resident[0] = 0
     note("end", ["release 0"])
-    baseline = L * (forward_s + backward_s)
+    baseline = L * (costs.forward_s + costs.backward_s)
     return PlanRow(
-        k=k,
+        k=m,
         end_of_forward_bytes=end_of_forward,
         peak_bytes=peak,
-        offloaded_bytes=k * offloaded_bytes,
+        offloaded_bytes=sum(moved[j] for j in offloaded),
         exposed_copy_s=waited,
-        step_s=baseline + waited,  # the compute stream's clock, without rounding
-        overhead=waited / baseline if baseline > 0 else 0.0,
-        log=log,
+        step_s=compute,  # the compute stream's clock, without rounding
+        overhead=(waited + recompute) / baseline if baseline > 0 else 0.0,
+        log=steps,
+        recompute_s=recompute,
     )
 
 
@@ -144,6 +218,8 @@ class Plan:
         rows: one :class:`PlanRow` per k = 0 .. L - 1.
         overhead_budget: the step overhead allowed (a fraction).
         memory_budget: the activation memory allowed, in bytes, or None.
+        policy: with a memory budget, the per-layer policy chosen for it (keep,
+            offload, checkpoint, checkpoint+offload; see :func:`choose_policy`).
     """
 
     layer: LayerProfile
@@ -152,6 +228,7 @@ class Plan:
     rows: list[PlanRow]
     overhead_budget: float
     memory_budget: int | None
+    policy: PolicyPlan | None = None
 
     @property
     def largest_hidden_k(self) -> int:
@@ -191,7 +268,8 @@ def plan_offload(
             ``"gh200"``, ``"910b"``), a JSON file of ``python -m cpu_offload.check``,
             or a :class:`DeviceProfile`.
         overhead_budget: the step overhead the answer may cost (0.02: 2%).
-        memory_budget: bytes of saved activations that must fit, or None.
+        memory_budget: bytes of saved activations that must fit, or None; with one,
+            ``plan.policy`` is the fastest per-layer policy that fits it.
     """
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"plan_offload: num_layers must be a positive int, got {num_layers!r}.")
@@ -210,4 +288,9 @@ def plan_offload(
         )
         for k in range(num_layers)
     ]
-    return Plan(layer, profile, num_layers, rows, overhead_budget, memory_budget)
+    policy = None
+    if memory_budget is not None:
+        from .policy_search import choose_policy  # it runs this module's model
+
+        policy = choose_policy(layer, num_layers, profile, memory_budget=memory_budget)
+    return Plan(layer, profile, num_layers, rows, overhead_budget, memory_budget, policy)

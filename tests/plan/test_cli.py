@@ -20,7 +20,7 @@ def test_tiny_preset_table_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "times are PREDICTED" in out and "A100 SXM" in out
-    assert "smallest k that fits 0.05 GiB of activations: 2" in out
+    assert "smallest k that fits 0.0500 GiB of activations: 2" in out
     plan = json.loads(path.read_text())
     assert plan["predicted"] is True and plan["num_layers"] == 4
     assert [row["k"] for row in plan["rows"]] == [0, 1, 2, 3]
@@ -28,9 +28,12 @@ def test_tiny_preset_table_and_json(tmp_path, capsys):
     assert plan["smallest_fitting_k"] == 2
 
 
-def test_a_budget_nothing_fits_says_to_checkpoint(capsys):
-    assert main(["--preset", "tiny", "--memory-budget", "0.001"]) == 0
-    assert "offloading alone is not enough; checkpoint" in capsys.readouterr().out
+def test_a_budget_no_k_fits_gets_a_policy_with_checkpointing(capsys):
+    assert main(["--preset", "tiny", "--memory-budget", "0.0215"]) == 0
+    out = capsys.readouterr().out
+    assert "no k fits 0.0215 GiB of activations: offloading alone is not enough" in out
+    assert "policy for 0.0215 GiB (the fastest of" in out
+    assert "checkpoint" in out.split("policy for")[1]
 
 
 def test_unknown_device_is_an_error_with_the_choices(capsys):
