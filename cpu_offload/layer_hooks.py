@@ -202,7 +202,8 @@ class OffloadLayersHandle:
         offload_synchronizer: the synchronizer in use.
         controller: the manual controller with ``manual_synchronization=True``, else None.
         enabled: while False, the layers' forwards pass through the hooks untouched
-            (nothing is offloaded); a forward pass must not span a change.
+            (nothing is offloaded, nothing checkpointed); a forward pass must not span
+            a change.
         forwards_seen: the layer forwards the hooks have seen while enabled.
     """
 
@@ -449,7 +450,7 @@ def offload_layers(
         handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
         handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
     # Inside the hooks: see NOTE [Checkpoint inside the offload context]
-    handle._hooks.extend(CheckpointedForward(layer) for layer in checkpointed)
+    handle._hooks.extend(CheckpointedForward(m, lambda: handle.enabled) for m in checkpointed)
     if count > 0:
         handle._watch_for_missed_forwards(unique)
     return handle

@@ -78,14 +78,15 @@ class CheckpointedForward:
     """Runs a module's forward under non-reentrant activation checkpointing (as an
     instance attribute that shadows the class's ``forward``) until :meth:`remove`."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, enabled: Callable[[], bool] = lambda: True) -> None:
         self.module = module
+        self.enabled = enabled  # while it says False, the forward runs as it is
         self.shadowed = module.__dict__.get("forward")  # another wrapper's, if any
         self.forward: Callable[..., Any] = module.forward
         module.forward = self  # type: ignore[method-assign]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self.enabled():
             return self.forward(*args, **kwargs)
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
 

@@ -396,3 +396,27 @@ def test_the_worked_example_of_the_docs_runs(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "| 20 GiB | 7 O, 15 C, 10 K | +15.0% | k=22: +85% | +32% |" in out  # as documented
     assert out.count("(nothing fits; closest)") == 4  # 1.5 and 1 GiB, on both devices
+
+
+def test_a_disabled_handle_neither_offloads_nor_checkpoints():
+    model = layers()
+    handle = offload_layers(
+        model, policy=["checkpoint+offload", "keep", "checkpoint"], min_offload_numel=0
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def saved_by_layer_0():
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            model[0](x)
+        return len(seen)
+
+    assert saved_by_layer_0() == 0  # checkpointed: its input went to the offload hooks
+    handle.enabled = False
+    assert saved_by_layer_0() == 3  # run as is: addmm's input and weight, tanh's output
+    h = x
+    for layer in model:
+        h = layer(h)
+    h.sum().backward()
+    assert handle.offload_synchronizer.stats.tensors_offloaded == 0
+    handle.remove()
