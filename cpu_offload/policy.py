@@ -74,6 +74,17 @@ def check_policy(policy: object, num_layers: int, owner: str) -> list[str]:
     return policy
 
 
+def policy_runs(policy: Sequence[str]) -> list[tuple[int, int, str]]:
+    """``(first layer, last layer, choice)`` for each run of equal choices."""
+    runs: list[tuple[int, int, str]] = []
+    for index, choice in enumerate(policy):
+        if runs and runs[-1][2] == choice:
+            runs[-1] = (runs[-1][0], index, choice)
+        else:
+            runs.append((index, index, choice))
+    return runs
+
+
 class CheckpointedForward:
     """Runs a module's forward under non-reentrant activation checkpointing (as an
     instance attribute that shadows the class's ``forward``) until :meth:`remove`."""

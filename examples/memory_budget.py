@@ -15,6 +15,7 @@ from cpu_offload.plan import measure_layer, plan_offload, simulate_policy
 from cpu_offload.plan.layers import preset_layer
 from cpu_offload.plan.policy_search import PolicySearch
 from cpu_offload.plan.schedule_model import LayerCosts
+from cpu_offload.policy import policy_runs
 
 GIB = 2**30
 LAYERS = 32
@@ -24,13 +25,7 @@ SHORT = {"keep": "K", "offload": "O", "checkpoint": "C", "checkpoint+offload": "
 
 def summary(policy: list[str]) -> str:
     """'6 O, 10 C, 16 K': runs of layers, first to last."""
-    runs: list[list] = []
-    for choice in policy:
-        if runs and runs[-1][1] == choice:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, choice])
-    return ", ".join(f"{n} {SHORT[choice]}" for n, choice in runs)
+    return ", ".join(f"{last - first + 1} {SHORT[c]}" for first, last, c in policy_runs(policy))
 
 
 def walk(device: str, seq: int) -> tuple[list[str], list[tuple[float, float, float, float]]]:

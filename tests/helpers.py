@@ -114,3 +114,17 @@ def torchrun(script: str, processes: int, *args: str) -> str:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     return output
+
+
+def small_llama_config(transformers: Any, path: Path) -> Any:
+    """A 4-layer Hugging Face ``LlamaConfig`` (hidden 256, 4/2 heads), saved to ``path``."""
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    config.save_pretrained(path)
+    return config

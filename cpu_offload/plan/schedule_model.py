@@ -109,8 +109,12 @@ def simulate(
     if not 0 <= k <= num_layers - 1:
         raise ValueError(f"simulate: k must be in [0, {num_layers - 1}], got {k}.")
     costs = LayerCosts(saved_bytes, offloaded_bytes, kept_bytes, forward_s, backward_s)
-    policy = [OFFLOAD] * k + [KEEP] * (num_layers - k)
-    return simulate_policy(policy, costs, d2h_bytes_per_s, h2d_bytes_per_s)
+    return simulate_policy(_first_k(num_layers, k), costs, d2h_bytes_per_s, h2d_bytes_per_s)
+
+
+def _first_k(num_layers: int, k: int) -> list[str]:
+    """The policy of the default schedule with ``k`` layers offloaded."""
+    return [OFFLOAD] * k + [KEEP] * (num_layers - k)
 
 
 def simulate_policy(
@@ -274,18 +278,9 @@ def plan_offload(
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"plan_offload: num_layers must be a positive int, got {num_layers!r}.")
     profile = get_profile(device)
+    costs = LayerCosts.of(layer, profile)
     rows = [
-        simulate(
-            num_layers,
-            k,
-            saved_bytes=layer.saved_bytes,
-            offloaded_bytes=layer.offloaded_bytes,
-            kept_bytes=layer.kept_bytes,
-            forward_s=layer.forward_flops / profile.flops_per_s,
-            backward_s=layer.backward_flops / profile.flops_per_s,
-            d2h_bytes_per_s=profile.d2h,
-            h2d_bytes_per_s=profile.h2d,
-        )
+        simulate_policy(_first_k(num_layers, k), costs, profile.d2h, profile.h2d)
         for k in range(num_layers)
     ]
     policy = None

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import small_llama_config
 from hosts import require
 
 from cpu_offload import offload_layers
@@ -45,15 +46,7 @@ def test_tiny_preset_plans_the_bytes_a_real_run_moves_for_every_k(min_numel):
 @pytest.mark.parametrize("min_numel", [0, 2**16])
 def test_hugging_face_config_plans_the_bytes_a_real_run_moves(tmp_path, min_numel):
     transformers = require("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    config.save_pretrained(tmp_path)
+    config = small_llama_config(transformers, tmp_path)
     spec = hf_layer(str(tmp_path / "config.json"), 256, 2, torch.float32, "cpu")
     assert spec.num_layers == 4 and "LlamaDecoderLayer" in spec.description
     layer = measure_layer(

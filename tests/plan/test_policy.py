@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import small_llama_config
 from hosts import require
 
 from cpu_offload import offload_layers
@@ -205,15 +206,7 @@ def test_tiny_preset_policies_run_bit_identical_moving_the_planned_bytes(min_num
 
 def test_hugging_face_llama_policies_run_bit_identical_moving_the_planned_bytes(tmp_path):
     transformers = require("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    config.save_pretrained(tmp_path)
+    config = small_llama_config(transformers, tmp_path)
     spec = hf_layer(str(tmp_path / "config.json"), 256, 2, torch.float32, "cpu")
     min_numel = 2**14
     layer = measure_layer(
