@@ -25,7 +25,6 @@ NOTE [Chunks by bytes]
 from __future__ import annotations
 
 import contextvars
-import threading
 import weakref
 from typing import Any
 
@@ -35,7 +34,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from .context import _active_depth, _forward_inside_backward, _saved_tensors_hooks_enabled
 from .eager import eager
 from .errors import CpuOffloadError
-from .layer_state import LayerState, OffloadableLayerState, _Offloaded, unpack_saved
+from .layer_state import LayerState, OffloadableLayerState, is_moved_handle, unpack_saved
+from .per_thread import PerThread
 from .selection import is_offloadable
 from .synchronizer import OffloadSynchronizer
 
@@ -45,17 +45,29 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedOffload"]
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
-class _Forward(threading.local):
+class _Forward:
     """One thread's forward under the context."""
 
-    inert = False
-    hooks: saved_tensors_hooks | None = None
-    depth_token: contextvars.Token[int] | None = None
-    chunk: OffloadableLayerState | None = None  # taking tensors now
-    chunk_bytes = 0  # offloadable bytes it holds
-    copying: OffloadableLayerState | None = None  # closed, copies started, not released
-    chunks = 0
-    name = ""
+    __slots__ = (
+        "inert",
+        "hooks",
+        "depth_token",
+        "chunk",
+        "chunk_bytes",
+        "copying",
+        "chunks",
+        "name",
+    )
+
+    def __init__(self) -> None:
+        self.inert = False
+        self.hooks: saved_tensors_hooks | None = None
+        self.depth_token: contextvars.Token[int] | None = None
+        self.chunk: OffloadableLayerState | None = None  # taking tensors now
+        self.chunk_bytes = 0  # offloadable bytes it holds
+        self.copying: OffloadableLayerState | None = None  # closed, copies started, not released
+        self.chunks = 0
+        self.name = ""
 
 
 def _prefetch(state: OffloadableLayerState) -> None:
@@ -109,12 +121,12 @@ class ChunkedOffload:
             min_offload_bytes=min_offload_bytes,
             max_host_bytes=max_host_bytes,
         )
-        self._forward = _Forward()
+        self._forward = PerThread(_Forward)
 
     # ------------------------------------------------------------- context
 
     def __enter__(self) -> ChunkedOffload:
-        run = self._forward
+        run = self._forward.value
         if run.hooks is not None or run.inert:
             raise CpuOffloadError(
                 "cpu_offload: the offload context was entered again before it was left; "
@@ -135,7 +147,7 @@ class ChunkedOffload:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        run = self._forward
+        run = self._forward.value
         if run.inert:
             run.inert = False
             return
@@ -153,14 +165,14 @@ class ChunkedOffload:
 
     @eager
     def _push(self, tensor: Any) -> Any:
-        run = self._forward
+        run = self._forward.value
         chunk = run.chunk
         if chunk is None:  # pragma: no cover - the hooks live only while a chunk is open
             raise CpuOffloadError("cpu_offload internal error: a push outside the context.")
         if run.chunk_bytes >= self.chunk_bytes and self._moves(tensor):
             chunk = self._close_chunk()  # a full chunk closes at the next tensor that moves
         handle = chunk.push_tensor(tensor)
-        if type(handle) is _Offloaded:
+        if is_moved_handle(handle):
             run.chunk_bytes += tensor.numel() * tensor.element_size()
         return handle
 
@@ -175,7 +187,7 @@ class ChunkedOffload:
 
     def _close_chunk(self) -> OffloadableLayerState:
         """Start the full chunk's copies, release the one before it, open the next."""
-        run = self._forward
+        run = self._forward.value
         full = run.chunk
         if full is None:  # pragma: no cover
             raise CpuOffloadError("cpu_offload internal error: no chunk to close.")
@@ -186,7 +198,7 @@ class ChunkedOffload:
         return self._open_chunk(after=full)
 
     def _open_chunk(self, after: OffloadableLayerState | None) -> OffloadableLayerState:
-        run = self._forward
+        run = self._forward.value
         synchronizer = self.offload_synchronizer
         state = OffloadableLayerState(
             synchronizer.offload_stream,

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
+from .backward_hook import BackwardHook
 from .device import get_backend
 from .errors import CpuOffloadError
-from .forward_pass import ForwardPass, _GraphToken
+from .forward_pass import ForwardPass
 from .layer_state import decompose, has_saving_protocol, unpack_saved
 from .marks import mark_storage_not_offload, set_mark
+from .per_thread import PerThread
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .synchronizer import (
     DefaultOffloadSynchronizer,
@@ -41,6 +41,8 @@ _active_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
 
 
 _hooks_disabled_warned = False
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks  # type: ignore[attr-defined]
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks  # type: ignore[attr-defined]
 
 
 def _saved_tensors_hooks_enabled() -> bool:
@@ -152,33 +154,30 @@ def _checkpoint_forward_active() -> bool:
     return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
 
 
-def _queue_end_of_backward(callback: Callable[[], None]) -> bool:
-    """Queue ``callback`` at the end of the running backward; False where that is impossible.
-
-    Compiled autograd accepts engine callbacks only with ``fullgraph=True``; there the
-    release at the end of backward is left to the graph freeing its saved tensors (see
-    NOTE [Lifetime of a layer's data] in layer_state.py).
-    """
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(callback)
-    except (AssertionError, RuntimeError):
-        return False
-    return True
-
-
-class _LayerInProgress(threading.local):
+class _LayerInProgress:
     """What one thread's ``with ctx:`` block holds between entering and leaving."""
 
-    inside = False
-    inert = False  # the current (or last) layer forward passes through
-    hooks: saved_tensors_hooks | None = None
-    depth_token: contextvars.Token[int] | None = None
-    # The pass and layer of the latest forward, for sync_fn. Weak: a pass belongs to
-    # its graph. Strong from a layer's forward until its sync_fn hands the pass to the
-    # layer's graph (a graph cut before the layer leaves no other owner).
-    last_pass: weakref.ref[ForwardPass] | None = None
-    unattached_pass: ForwardPass | None = None
-    last_layer: int | None = None
+    __slots__ = (
+        "inside",
+        "inert",
+        "hooks",
+        "depth_token",
+        "last_pass",
+        "unattached_pass",
+        "last_layer",
+    )
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.inert = False  # the current (or last) layer forward passes through
+        self.hooks: Callable[[Any], Any] | None = None  # the pack hook pushed for the layer
+        self.depth_token: contextvars.Token[int] | None = None
+        # The pass and layer of the latest forward, for sync_fn. Weak: a pass belongs to
+        # its graph. Strong from a layer's forward until its sync_fn hands the pass to the
+        # layer's graph (a graph cut before the layer leaves no other owner).
+        self.last_pass: weakref.ref[ForwardPass] | None = None
+        self.unattached_pass: ForwardPass | None = None
+        self.last_layer: int | None = None
 
 
 class OffloadContext:
@@ -198,7 +197,7 @@ class OffloadContext:
 
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
         self.offload_synchronizer = synchronizer
-        self._layer = _LayerInProgress()  # per thread
+        self._layer = PerThread(_LayerInProgress)
         #: whether :attr:`inside_context` tells the truth (the Megatron integration turns
         #: it off where Megatron would assert that TransformerEngine is installed)
         self.report_inside_context = True
@@ -207,12 +206,12 @@ class OffloadContext:
     @property
     def active(self) -> bool:
         """Whether a layer's forward is inside this context now, in this thread."""
-        return self._layer.inside
+        return self._layer.value.inside
 
     @property
     def inside_context(self) -> bool:
         """TransformerEngine's name for :attr:`active` (Megatron-Core reads it)."""
-        return self._layer.inside and self.report_inside_context
+        return self._layer.value.inside and self.report_inside_context
 
     def __enter__(self) -> OffloadContext:
         return self.enter_layer()
@@ -225,7 +224,7 @@ class OffloadContext:
                 forward pass (a skipped block); they count as empty layers.
             new_pass: this layer starts a new forward pass (abandon the one in progress).
         """
-        frame = self._layer
+        frame = self._layer.value
         if frame.inside:
             raise CpuOffloadError(
                 "cpu_offload: the offload context was entered again before it was left. "
@@ -247,14 +246,13 @@ class OffloadContext:
             forward_pass = synchronizer.current_pass
             if forward_pass is None:  # pragma: no cover - fwd_step always sets it
                 raise CpuOffloadError("cpu_offload internal error: no forward pass after fwd_step.")
-            frame.last_pass = weakref.ref(forward_pass)
+            frame.last_pass = forward_pass.weak
             frame.unattached_pass = forward_pass
             frame.last_layer = layer
             if synchronizer.layer_is_offloaded(layer) and not _checkpoint_forward_active():
-                state = forward_pass.layer_states[layer]
-                hooks = saved_tensors_hooks(state.push_tensor, unpack_saved)
-                hooks.__enter__()
-                frame.hooks = hooks
+                pack = forward_pass.state(layer).push_tensor
+                _push_hooks(pack, unpack_saved)  # what saved_tensors_hooks does, inline
+                frame.hooks = pack
         except BaseException:
             frame.unattached_pass = None
             synchronizer.abort_forward()  # __exit__ will not run: leave no pass in progress
@@ -264,7 +262,7 @@ class OffloadContext:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        frame = self._layer
+        frame = self._layer.value
         frame.inside = False
         if frame.inert:
             return
@@ -272,7 +270,7 @@ class OffloadContext:
             _active_depth.reset(frame.depth_token)
             frame.depth_token = None
         if frame.hooks is not None:
-            frame.hooks.__exit__(exc_type, exc, traceback)
+            _pop_hooks()
             frame.hooks = None
         if exc_type is not None:
             # The next forward starts a fresh pass; the partial graph keeps what it
@@ -290,13 +288,13 @@ class OffloadContext:
         Returns whether the context was left: not when other saved-tensor hooks were
         entered above this context's since, which only their owner can remove.
         """
-        frame = self._layer
+        frame = self._layer.value
         if not frame.inside:
             return True
         hooks = frame.hooks
         if hooks is not None:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if top is None or top[0] != hooks.pack_hook:
+            if top is None or top[0] != hooks:
                 return False
         self.__exit__(KeyboardInterrupt, None, None)
         return True
@@ -308,7 +306,7 @@ class OffloadContext:
         does not require grad (evaluation, ``torch.no_grad``), ``None``, a tuple (call it
         on the tensor the next layer takes).
         """
-        frame = self._layer
+        frame = self._layer.value
         if frame.inside:
             raise CpuOffloadError(
                 "cpu_offload: the sync function was called inside the offload context; "
@@ -316,11 +314,15 @@ class OffloadContext:
             )
         if frame.inert:
             return tensor
-        forward_pass = frame.last_pass() if frame.last_pass is not None else None
+        last_pass = frame.last_pass
+        forward_pass = last_pass() if last_pass is not None else None
         frame.unattached_pass = None
-        if forward_pass is not None and isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if forward_pass is not None:
             forward_pass.note_output(tensor)
-        if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+        grad_fn = tensor.grad_fn
+        if grad_fn is None:
             return tensor
         if forward_pass is None or frame.last_layer is None:
             raise CpuOffloadError(
@@ -337,7 +339,7 @@ class OffloadContext:
             forward_pass.hooked_layers.append(layer)
             return tensor
         layers = [layer]
-        tensor.grad_fn.register_prehook(self._backward_hook(forward_pass, layers))
+        grad_fn.register_prehook(BackwardHook(self.offload_synchronizer, forward_pass, layers))
         forward_pass.hooked_output = weakref.ref(tensor)
         forward_pass.hooked_layers = layers
         return tensor
@@ -350,7 +352,8 @@ class OffloadContext:
         output = previous._last_output if previous is not None else None
         if output is None or output.expired() or self._warned_layer_count:
             return
-        if forward_pass.layer_states[0].holds_storage(output.cdata):
+        first = forward_pass.made_state(0)
+        if first is not None and first.holds_storage(output.cdata):
             self._warned_layer_count = True
             synchronizer = self.offload_synchronizer
             warnings.warn(
@@ -362,42 +365,6 @@ class OffloadContext:
                 UserWarning,
                 stacklevel=3,
             )
-
-    def _backward_hook(self, forward_pass: ForwardPass, layers: list[int]) -> Callable:
-        return _BackwardHook(self.offload_synchronizer, forward_pass, layers)
-
-
-# Compiled autograd traces Python hooks with dynamo; this one drives the offload
-# schedule (copies, events, engine callbacks) and must run as written.  Wrapped once
-# here, not once per layer.
-@torch._dynamo.disable(recursive=True)
-def _on_backward(hook: _BackwardHook) -> None:
-    forward_pass, synchronizer = hook.forward_pass, hook.synchronizer
-    if not forward_pass.finish_queued:
-        forward_pass.finish_queued = _queue_end_of_backward(hook.finish)
-    for layer in reversed(hook.layers):
-        synchronizer.bwd_step(layer, forward_pass)
-
-
-class _BackwardHook:
-    """The pre-hook ``sync_fn`` puts on a layer output's node: backward reaches the
-    layers in ``layers`` (it holds the pass and its graph token: the graph owns them)."""
-
-    __slots__ = ("synchronizer", "forward_pass", "layers", "token")
-
-    def __init__(
-        self, synchronizer: OffloadSynchronizer, forward_pass: ForwardPass, layers: list[int]
-    ) -> None:
-        self.synchronizer = synchronizer
-        self.forward_pass = forward_pass
-        self.layers = layers
-        self.token: _GraphToken = forward_pass.graph_token()
-
-    def __call__(self, grad_outputs: Any) -> None:
-        _on_backward(self)
-
-    def finish(self) -> None:
-        self.synchronizer.finish_part_of_bwd(self.forward_pass)
 
 
 def _check_flags(**flags: object) -> None:

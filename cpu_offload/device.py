@@ -139,6 +139,14 @@ class DeviceBackend:
         """A device tensor with the shape, strides and dtype of ``like``, on the current stream."""
         return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
 
+    def empty_device_many(self, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`empty_device` for each tensor of ``likes`` (one layer's reload)."""
+        device = self.device
+        return [
+            torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
+            for like in likes
+        ]
+
     def timing_event(self) -> TimingEvent:
         """An event that can measure elapsed time (``record``, ``elapsed_time``)."""
         return _HostTimingEvent()
@@ -148,8 +156,12 @@ class DeviceBackend:
         """Count host synchronisations inside the block (``None``: not measurable)."""
         yield None
 
+    #: whether :meth:`before_handoff` must be called (a testing backend's check)
+    checks_handoff = False
+
     def before_handoff(self, tensor: torch.Tensor, label: str = "") -> None:
-        """Called when a reloaded tensor is handed back to autograd (a testing hook)."""
+        """Called, where :attr:`checks_handoff`, when a reloaded tensor is handed back to
+        autograd (a testing hook)."""
 
     def synchronize(self) -> None:
         raise NotImplementedError

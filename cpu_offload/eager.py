@@ -3,7 +3,8 @@
 NOTE [Hooks around compiled code]
     A compiled region's runtime calls our pack and unpack hooks with dynamo's frame
     callback installed, so dynamo would try to compile them as frames of their own;
-    and a compiled model that calls our context or ``sync_fn`` would trace them.  They
+    compiled autograd traces the backward pre-hook that ``sync_fn`` registers; and a
+    compiled model that calls our context or ``sync_fn`` would trace them.  They
     move tensors between streams and must run as written.  Wrapping each hook in
     ``torch.compiler.disable`` does that at a cost on every saved tensor (two calls
     that switch the frame callback off and on).  Instead the modules the hooks run
@@ -24,17 +25,21 @@ __all__ = ["SKIPPED", "eager"]
 
 F = TypeVar("F", bound=Callable)
 
-#: the modules a pack or unpack hook runs through (not ``context``: ``start_offload``
-#: called in a compiled function is traced, and does nothing there, as before)
+#: the modules a pack, unpack or backward hook runs through (not ``context``:
+#: ``start_offload`` called in a compiled function is traced, and does nothing there)
 _HOOK_MODULES = (
+    "cpu_offload.backward_hook",
     "cpu_offload.chunked",
     "cpu_offload.copy_timer",
     "cpu_offload.device",
+    "cpu_offload.forward_pass",
     "cpu_offload.host_buffers",
     "cpu_offload.layer_state",
     "cpu_offload.marks",
+    "cpu_offload.per_thread",
     "cpu_offload.selection",
     "cpu_offload.stats",
+    "cpu_offload.synchronizer",
     "cpu_offload.tensor_group",
 )
 

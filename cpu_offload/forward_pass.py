@@ -32,7 +32,8 @@ class ForwardPass:
 
     Attributes:
         index: a number unique to this pass within the process.
-        layer_states: one state per layer.
+        layer_states: one state per layer (see :meth:`state`).
+        num_layers: how many.
         layers_forwarded: how many layers' forwards have started.
         previous_bwd_layer: the layer whose backward ran last, not yet released.
         finish_queued: whether the end-of-backward callback is queued.
@@ -46,10 +47,11 @@ class ForwardPass:
         self, num_layers: int, make_state: Callable[[int, str], OffloadableLayerState]
     ) -> None:
         self.index = next(_pass_ids)
-        self.layer_states = [
-            make_state(layer, f"layer {layer} of forward pass {self.index}")
-            for layer in range(num_layers)
-        ]
+        self._make_state = make_state
+        self._states: list[OffloadableLayerState | None] = [None] * num_layers
+        self.num_layers = num_layers
+        #: a weak reference to the pass (one, made once: layers ask for it)
+        self.weak = weakref.ref(self)
         self.layers_forwarded = 0
         self.previous_bwd_layer: int | None = None
         self.finish_queued = False
@@ -60,6 +62,24 @@ class ForwardPass:
         self.hooked_layers: list[int] = []
         self._last_output: StorageWeakRef | None = None
         self._token: weakref.ref[_GraphToken] | None = None
+
+    def state(self, layer: int) -> OffloadableLayerState:
+        """The state of ``layer``, made when first asked for: a layer that is not
+        offloaded never needs one, and making one costs more than a layer's hooks."""
+        state = self._states[layer]
+        if state is None:
+            state = self._make_state(layer, f"layer {layer} of forward pass {self.index}")
+            self._states[layer] = state
+        return state
+
+    def made_state(self, layer: int) -> OffloadableLayerState | None:
+        """The state of ``layer`` if it was made (else nothing was ever pushed to it)."""
+        return self._states[layer]
+
+    @property
+    def layer_states(self) -> list[OffloadableLayerState]:
+        """One state per layer (made now where not made yet)."""
+        return [self.state(layer) for layer in range(self.num_layers)]
 
     def graph_token(self) -> _GraphToken:
         """An object the backward hooks hold: alive while any hooked node of the graph is."""
@@ -84,15 +104,13 @@ class ForwardPass:
         return self._token is None or self._token() is None
 
     @property
-    def num_layers(self) -> int:
-        return len(self.layer_states)
-
-    @property
     def forward_done(self) -> bool:
         return self.layers_forwarded == self.num_layers
 
     def get_offloaded_total_size_mb(self) -> float:
-        return sum(state.get_offloaded_total_size_mb() for state in self.layer_states)
+        return sum(
+            state.get_offloaded_total_size_mb() for state in self._states if state is not None
+        )
 
     def __repr__(self) -> str:
         return (

@@ -35,6 +35,7 @@ import bisect
 import threading
 import warnings
 from collections import defaultdict
+from typing import cast
 
 import torch
 
@@ -68,25 +69,21 @@ def size_class(nbytes: int) -> int:
 class _Block:
     """A byte block of the pool and the view it last served (reused for the same layout)."""
 
-    __slots__ = ("data", "size", "view")
+    __slots__ = ("data", "size", "view", "layout")
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data
         self.size = data.numel()
         self.view: torch.Tensor | None = None
+        self.layout: Layout | None = None  # the view's, read once
 
     def view_as(self, like: torch.Tensor, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` bytes seen with the shape, strides and dtype of ``like``."""
-        view = self.view
-        if (
-            view is not None
-            and view.dtype == like.dtype
-            and view.shape == like.shape
-            and view.stride() == like.stride()
-        ):
-            return view
+        layout = (like.shape, like.stride(), like.dtype)
+        if layout == self.layout:
+            return cast(torch.Tensor, self.view)
         view = self.data[:nbytes].view(like.dtype).as_strided(like.shape, like.stride())
-        self.view = view
+        self.view, self.layout = view, layout
         return view
 
 
@@ -119,7 +116,7 @@ class HostBufferPool:
         # per class, so lending and taking back cost O(classes), not O(blocks).
         self._free_sizes: list[int] = []
         self._free: defaultdict[int, list[_Block]] = defaultdict(list)
-        self._lent: dict[int, _Block] = {}  # id(view) -> its block
+        self._lent: dict[int, tuple[_Block, int]] = {}  # id(view) -> its block, bytes asked
         self._retained: defaultdict[int, list[list[torch.Tensor | None]]] = defaultdict(list)
         self._reserved = 0
         self._in_use = 0
@@ -133,18 +130,24 @@ class HostBufferPool:
 
     # -------------------------------------------------------------- lending
 
-    def acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def acquire(
+        self, layer_index: int, tensors: list[torch.Tensor], sizes: list[int] | None = None
+    ) -> list[torch.Tensor | None]:
         """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``;
-        ``None`` for a tensor that does not fit under ``max_bytes``."""
+        ``None`` for a tensor that does not fit under ``max_bytes``.  ``sizes``: the
+        tensors' bytes, where the caller has them."""
         with self._lock:
-            return self._acquire(layer_index, tensors)
+            return self._acquire(layer_index, tensors, sizes)
 
-    def _acquire(self, layer_index: int, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def _acquire(
+        self, layer_index: int, tensors: list[torch.Tensor], sizes: list[int] | None
+    ) -> list[torch.Tensor | None]:
         if self.retain and self._retained[layer_index]:
             # Checked before it is taken: after the error the set is still the layer's.
             self._check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
             return self._retained[layer_index].pop()
-        sizes = [_nbytes(t) for t in tensors]
+        if sizes is None:
+            sizes = [_nbytes(t) for t in tensors]
         self._requested += sum(sizes)
         self._peak_requested = max(self._peak_requested, self._requested)
         buffers: list[torch.Tensor | None] = [None] * len(tensors)
@@ -158,7 +161,7 @@ class HostBufferPool:
                 self._refuse(nbytes)
                 continue
             view = block.view_as(tensors[position], nbytes)
-            self._lent[id(view)] = block
+            self._lent[id(view)] = (block, nbytes)
             buffers[position] = view
         return buffers
 
@@ -174,10 +177,8 @@ class HostBufferPool:
             self._retained[layer_index].append(buffers)  # still lent: fixed addresses
             return
         for view in buffers:
-            if view is None:
-                continue
-            block = self._take_back(view)
-            self._put_free(block)
+            if view is not None:
+                self._put_free(self._take_back(view))
 
     def empty_cache(self) -> None:
         """Free the blocks no layer is using (and the buffers retained for later passes)."""
@@ -279,8 +280,8 @@ class HostBufferPool:
 
     def _take_back(self, view: torch.Tensor) -> _Block:
         """The block behind a lent view, no longer counted as in use."""
-        block = self._lent.pop(id(view))
-        self._requested -= _nbytes(view)
+        block, nbytes = self._lent.pop(id(view))
+        self._requested -= nbytes
         self._in_use -= block.size
         return block
 

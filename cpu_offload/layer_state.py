@@ -50,7 +50,7 @@ NOTE [Version counter checks]
     push, compared when the copy starts (a tensor modified before its copy is still
     copied, ordered after the modifying work, but its unpack raises) and at unpack
     while the original tensor is alive.
-    Tensors the layer keeps on the device go through :class:`_Kept` for the same
+    Tensors the layer keeps on the device carry their version in their handle for the same
     check.  The error is autograd's, with the layer named.
 """
 
@@ -72,9 +72,9 @@ from .eager import eager
 from .errors import OffloadStateError
 from .host_buffers import HostBufferPool
 from .marks import TensorMarks, marks_of, set_mark
-from .selection import DEFAULT_MIN_OFFLOAD_NUMEL, is_offloadable
+from .selection import DEFAULT_MIN_OFFLOAD_NUMEL, NOT_DENSE, plain_kept_because, warn_not_dense
 from .stats import OffloadStats
-from .tensor_group import TensorGroup, TensorGroupProcessor, offloads_through_base
+from .tensor_group import GroupLayout, TensorGroup, TensorGroupProcessor, offloads_through_base
 
 __all__ = [
     "TRANSITIONS",
@@ -83,6 +83,7 @@ __all__ = [
     "Transition",
     "decompose",
     "has_saving_protocol",
+    "is_moved_handle",
     "unpack_saved",
 ]
 
@@ -147,6 +148,29 @@ def decompose(obj: Any) -> tuple[list[torch.Tensor | None], Any]:
     return saved.prepare_for_saving()
 
 
+_NOT_OFFLOADED = LayerState.NOT_OFFLOADED
+_OFFLOAD_FINISHED = LayerState.OFFLOAD_FINISHED
+_RELOAD_STARTED = LayerState.RELOAD_STARTED
+_Tensor = torch.Tensor
+_Parameter = Parameter
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+def _without_grad(method: Callable[[], None]) -> None:
+    """``method()`` with grad mode off: a copy must not enter the graph (a host buffer
+    would keep it alive).  What ``torch.no_grad`` does, for a tenth of its cost, paid per
+    layer on the hooks' path."""
+    if not _grad_enabled():
+        method()
+        return
+    _set_grad_enabled(False)
+    try:
+        method()
+    finally:
+        _set_grad_enabled(True)
+
+
 def _modified_error(tensor_desc: str, found: int, expected: int, where: str) -> RuntimeError:
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an "
@@ -172,39 +196,41 @@ class _Lease:
         self.layer = layer
 
 
-class _Offloaded:
-    """What the pack hook returns for a tensor the layer may copy: a lease and a position."""
+# NOTE [Handles]
+#     What the pack hook returns, and autograd holds until the unpack hook, is built
+#     once per saved tensor, so it is a plain tuple (a tuple costs a fifth of an object
+#     with an ``__init__``):
+#         ``(lease, index)``          a tensor the layer may copy: its lease and position;
+#         ``(tensor, version, layer)`` a tensor that stays where it is, without history,
+#                                     and its version at push (checked at unpack).
+#     Anything else the hook may return is an object of its own class (``_Decomposed``,
+#     ``_Verbatim``) or an object pushed by hand that is no tensor (itself), never a tuple.
 
-    __slots__ = ("lease", "index")
 
-    def __init__(self, lease: _Lease, index: int) -> None:
-        self.lease = lease
-        self.index = index
+def _kept(tensor: torch.Tensor, layer: OffloadableLayerState) -> tuple:
+    """The handle of a tensor that stays: an output saved by its own node would hold
+    that node, so it is held without history (NOTE [Saved tensors without their
+    history]; ``is_leaf`` is False exactly when there is a ``grad_fn``)."""
+    return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, layer)
 
 
-class _Kept:
-    """What the pack hook returns for a tensor that stays where it is (version checked)."""
+def is_moved_handle(handle: object) -> bool:
+    """Whether ``handle`` (a pack hook's result) stands for a tensor the layer may copy."""
+    return type(handle) is tuple and len(handle) == 2
 
-    __slots__ = ("tensor", "version", "layer")
 
-    def __init__(self, tensor: torch.Tensor, layer: OffloadableLayerState) -> None:
-        # An output saved by its own node would hold that node: hold no history (see
-        # NOTE [Saved tensors without their history]).  (``is_leaf`` is False exactly
-        # when there is a ``grad_fn``, and cheaper to ask.)
-        self.tensor = tensor if tensor.is_leaf else tensor.detach()
-        self.version = tensor._version
-        self.layer = layer
+class _Verbatim:
+    """A tuple pushed by hand, wrapped: a handle that is a tuple means a tensor."""
 
-    def unpack(self) -> torch.Tensor:
-        found = self.tensor._version
-        if found != self.version:
-            raise _modified_error(
-                _describe(self.tensor),
-                found,
-                self.version,
-                f"the tensor was saved by {self.layer.name} and stayed on the device",
-            )
-        return self.tensor
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+
+def _verbatim(obj: Any) -> Any:
+    """The handle of an object pushed that is no tensor: the object itself (unless a tuple)."""
+    return _Verbatim(obj) if isinstance(obj, tuple) else obj
 
 
 class _Decomposed:
@@ -274,7 +300,7 @@ class OffloadableLayerState:
         #: called once, at the first pop of a push cycle (a chunk prefetches the one
         #: before it: see ``chunked.py``)
         self.on_first_pop: Callable[[], None] | None = None
-        self.state = LayerState.NOT_OFFLOADED
+        self.state = _NOT_OFFLOADED
         self.generation = 0
         #: the most elements of a tensor kept only for being under ``min_offload_numel``
         self.largest_below_threshold = 0
@@ -283,17 +309,22 @@ class OffloadableLayerState:
         self._reset_data()
 
     def _reset_data(self) -> None:
-        self._pushed = TensorGroup()  # device tensors as pushed, one per handle
+        self._pushed: list[torch.Tensor] = []  # device tensors as pushed, one per handle
+        self._ready: list[Any] = []  # per pushed position: its ready event, or None
         self._versions: list[int] = []  # per pushed position: version at push
         self._originals: list[weakref.ref[torch.Tensor]] = []  # per pushed position
         # id(tensor) -> (weak tensor, its alias): one alias per tensor object
         self._aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        # Whether group processing has work: a view moves through its base, or a tensor
+        # was pushed twice.  Otherwise the pushed tensors are copied as they are.
+        self._grouped = False
+        self._layout: GroupLayout | None = None  # how to undo group processing
         self._modified: dict[int, int] = {}  # pushed position -> version seen at copy
-        self._unique = TensorGroup()  # after group processing, being copied
+        self._unique: list[torch.Tensor] = []  # after group processing, being copied
         self._host: list[torch.Tensor | None] = []  # None: over max_host_bytes, stays
         self._stay: list[torch.Tensor | None] = []  # per unique tensor: kept on the device
         self._host_bytes = 0  # bytes of the host copies
-        self._reloaded = TensorGroup()
+        self._reloaded: list[torch.Tensor] = []  # per pushed position, after reload
         self._in_flight: list[Any] = []  # events of copies nobody has waited for
         self._push_stream: Any = None  # current stream at the first push
         self._push_stream_key: Any = None
@@ -317,26 +348,30 @@ class OffloadableLayerState:
     # ------------------------------------------------------------- push / pop
 
     # Pack and unpack hooks run eagerly (NOTE [Hooks around compiled code] in eager.py).
+    # This is the cost of every saved tensor: checks are ordered by how often they decide.
     @eager
     def push_tensor(self, tensor: Any) -> Any:
-        """Take a tensor autograd saves; return what the pop will need."""
+        """Take a tensor autograd saves; return what the pop will need (NOTE [Handles])."""
         if self._backward_done:
             self._start_new_cycle()
-        if self.state is not LayerState.NOT_OFFLOADED:
+        if self.state is not _NOT_OFFLOADED:
             self._transition("push_tensor")  # raises
         kind = type(tensor)
-        if kind is not torch.Tensor:
-            return _Kept(tensor, self) if kind is torch.nn.Parameter else self._push_other(tensor)
+        if kind is not _Tensor:
+            return _kept(tensor, self) if kind is _Parameter else self._push_other(tensor)
         numel = tensor.numel()
         if numel < self.min_offload_numel:  # the common reason, checked first
-            if self.largest_below_threshold < numel and type(tensor._base) is not Parameter:
+            if self.largest_below_threshold < numel and type(tensor._base) is not _Parameter:
                 self.largest_below_threshold = numel  # (a weight's view is no activation)
-            return _Kept(tensor, self)
-        if not is_offloadable(
-            tensor, self.backend.device, self.min_offload_numel, self.min_offload_bytes
-        ):
-            return _Kept(tensor, self)
+            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, self)
         marks = marks_of(tensor)
+        reason = plain_kept_because(
+            tensor, numel, self.backend.device, self.min_offload_bytes, marks
+        )
+        if reason is not None:
+            if reason is NOT_DENSE:
+                warn_not_dense(tensor)
+            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, self)
         event = marks.ready_event if marks is not None else None
         if event is None:
             # Covered by the one event start_offload records on the push stream,
@@ -346,45 +381,52 @@ class OffloadableLayerState:
                 self._push_stream, self._push_stream_key = self.backend.current_stream(), key
             elif key != self._push_stream_key:
                 event = self.backend.record_event()
-        lease = self._live_lease()
+        lease = self._lease() if self._lease is not None else None
         if lease is None:
-            lease = _Lease(self)
-            self._lease = weakref.ref(lease)
-            weakref.finalize(lease, self._graph_released, self.generation).atexit = False
+            lease = self._new_lease()
+        index = len(self._pushed)
         self._versions.append(tensor._version)
         original = weakref.ref(tensor)
         self._originals.append(original)
-        alias = self._alias(tensor, marks, original)
-        return _Offloaded(lease, self._pushed.append(alias, event))
-
-    def _alias(
-        self, tensor: torch.Tensor, marks: TensorMarks | None, original: weakref.ref[torch.Tensor]
-    ) -> torch.Tensor:
-        """What the layer holds for ``tensor``: see NOTE [Saved tensors without their history]."""
+        # What the layer holds: see NOTE [Saved tensors without their history].
         base = tensor._base
-        if base is None or not offloads_through_base(tensor, marks):
-            return self._alias_of(tensor, original)
-        view = self._alias_of(base, None).as_strided(
-            tensor.shape, tensor.stride(), tensor.storage_offset()
-        )
+        if base is not None and offloads_through_base(tensor, marks):
+            alias = self._alias_view(tensor, base, marks)
+        else:
+            key = id(tensor)
+            entry = self._aliases.get(key)
+            if entry is not None and entry[0]() is tensor:  # pushed again: copied once
+                alias = entry[1]
+                self._grouped = True
+            else:
+                alias = tensor if tensor.is_leaf and base is None else tensor.detach()
+                self._aliases[key] = (original, alias)
+        self._pushed.append(alias)
+        self._ready.append(event)
+        return (lease, index)
+
+    def _new_lease(self) -> _Lease:
+        lease = _Lease(self)
+        self._lease = weakref.ref(lease)
+        weakref.finalize(lease, self._graph_released, self.generation).atexit = False
+        return lease
+
+    def _alias_view(
+        self, tensor: torch.Tensor, base: torch.Tensor, marks: TensorMarks | None
+    ) -> torch.Tensor:
+        """A view that moves through its base: the same view of the base's one alias."""
+        self._grouped = True
+        key = id(base)
+        entry = self._aliases.get(key)
+        if entry is not None and entry[0]() is base:
+            base_alias = entry[1]
+        else:
+            base_alias = base if base.is_leaf and base._base is None else base.detach()
+            self._aliases[key] = (weakref.ref(base), base_alias)
+        view = base_alias.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
         if marks is not None and marks.offload_base:
             set_mark(view, offload_base=True)  # the group processing reads the mark
         return view
-
-    def _alias_of(
-        self, tensor: torch.Tensor, ref: weakref.ref[torch.Tensor] | None
-    ) -> torch.Tensor:
-        """One alias without history per tensor object (so duplicates stay duplicates);
-        ``ref``: a weak reference to ``tensor`` already made, if any."""
-        if tensor.is_leaf and tensor._base is None:  # no grad_fn, no base: no history
-            return tensor
-        key = id(tensor)
-        entry = self._aliases.get(key)
-        if entry is not None and entry[0]() is tensor:
-            return entry[1]
-        alias = tensor.detach()
-        self._aliases[key] = (ref if ref is not None else weakref.ref(tensor), alias)
-        return alias
 
     def push_by_hand(self, tensor: Any) -> Any:
         """Push a tensor that no pack hook saved (TransformerEngine's by-hand use).
@@ -393,7 +435,7 @@ class OffloadableLayerState:
         the caller keeps the handle, as TransformerEngine's layer state does.
         """
         handle = self.push_tensor(tensor)
-        self._held_lease = self._live_lease()
+        self._held_lease = self._lease() if self._lease is not None else None
         return handle
 
     def _push_other(self, obj: Any) -> Any:
@@ -401,26 +443,26 @@ class OffloadableLayerState:
         if has_saving_protocol(obj):
             return self._push_decomposed(obj)
         if isinstance(obj, torch.Tensor):
-            return _Kept(obj, self)  # subclasses stay (see selection.is_offloadable)
-        return obj
+            return _kept(obj, self)  # subclasses stay (see selection.is_offloadable)
+        return _verbatim(obj)
 
     def _push_decomposed(self, tensor: Any) -> Any:
         components, obj = decompose(tensor)
         parts = [None if c is None else self.push_tensor(c) for c in components]
-        if not any(isinstance(part, _Offloaded) for part in parts):
+        if not any(is_moved_handle(part) for part in parts):
             # Nothing moved: keep the original object.
             obj.restore_from_saved(components)
-            return _Kept(tensor, self) if isinstance(tensor, torch.Tensor) else tensor
+            return _kept(tensor, self) if isinstance(tensor, torch.Tensor) else _verbatim(tensor)
         return _Decomposed(parts, obj)
 
     def pop_tensor(self, handle: Any) -> Any:
         """Give back what :meth:`push_tensor` took, on the device."""
-        if type(handle) is not _Offloaded or handle.lease.layer is not self:
+        if not is_moved_handle(handle) or handle[0].layer is not self:
             return unpack_saved(handle)
-        return self._pop(handle)
+        return self._pop(handle[0], handle[1])
 
-    def _pop(self, handle: _Offloaded) -> torch.Tensor:
-        if handle.lease is not self._live_lease():
+    def _pop(self, lease: _Lease, index: int) -> torch.Tensor:
+        if self._lease is None or self._lease() is not lease:
             raise OffloadStateError(
                 f"cpu_offload: a saved tensor of {self.name} was used after the layer's "
                 "data was released and the layer state reused for another forward pass. "
@@ -429,12 +471,15 @@ class OffloadableLayerState:
         if self.on_first_pop is not None:
             callback, self.on_first_pop = self.on_first_pop, None
             callback()
-        index = handle.index
-        self._check_version(index)
+        original = self._originals[index]()
+        if (original is not None and original._version != self._versions[index]) or (
+            self._modified and index in self._modified
+        ):
+            self._raise_modified(index, original)
         state = self.state
-        if state is not LayerState.RELOAD_STARTED:
-            if state is not LayerState.OFFLOAD_FINISHED:  # not copied, or being copied
-                return self._pushed.tensor_list[index]
+        if state is not _RELOAD_STARTED:
+            if state is not _OFFLOAD_FINISHED:  # not copied, or being copied
+                return self._pushed[index]
             self._reload_on_demand()
         backend = self.backend
         if self._reload_event is not None:
@@ -442,25 +487,21 @@ class OffloadableLayerState:
             if key != self._reload_waited_on:  # once per layer and stream
                 backend.wait_event(backend.current_stream(), self._reload_event)
                 self._reload_waited_on = key
-        tensor = self._reloaded.tensor_list[index]
-        backend.before_handoff(tensor, self.name)
+        tensor = self._reloaded[index]
+        if backend.checks_handoff:
+            backend.before_handoff(tensor, self.name)
         return tensor
 
-    def _live_lease(self) -> _Lease | None:
-        """The lease of the current push cycle, if any handle of it is alive."""
-        return self._lease() if self._lease is not None else None
-
-    def _check_version(self, index: int) -> None:
+    def _raise_modified(self, index: int, original: torch.Tensor | None) -> None:
+        """Autograd's error for a saved tensor modified in place (NOTE [Version counter checks])."""
         expected = self._versions[index]
-        original = self._originals[index]()
         found = self._modified.get(index)
         where = "it was modified after it was saved by {} and before its copy to the host"
-        if found is None and original is not None and original._version != expected:
-            found = original._version
+        if found is None:  # seen through the original, which is alive
+            found = original._version if original is not None else expected
             where = "it was saved by {} and modified after that"
-        if found is not None:
-            desc = _describe(original) if original is not None else "a tensor"
-            raise _modified_error(desc, found, expected, where.format(self.name))
+        desc = _describe(original) if original is not None else "a tensor"
+        raise _modified_error(desc, found, expected, where.format(self.name))
 
     def _reload_on_demand(self) -> None:
         if not self._backward_done:  # a second backward reloads on demand by design
@@ -476,30 +517,43 @@ class OffloadableLayerState:
 
     # ---------------------------------------------------------- transitions
 
-    @torch.no_grad()  # a copy must not enter the graph: a host buffer would keep it alive
     def start_offload(self) -> None:
         """Queue device-to-host copies of the layer's tensors on the offload stream."""
         self._transition("start_offload")
-        self._aliases = {}  # no more pushes: only the group holds the device tensors now
-        if not self._pushed.tensor_list:
-            return
-        self._note_modified()
-        pushed = self._pushed
-        self._unique = TensorGroupProcessor.process_before_offload(pushed)
-        self._host = self.host_buffers.acquire(self.layer_index, self._unique.tensor_list)
-        backend, stream = self.backend, self.offload_stream
+        self._aliases = {}  # no more pushes: only the layer's lists hold the tensors now
+        if self._pushed:
+            _without_grad(self._start_copies_out)
+
+    def _start_copies_out(self) -> None:
+        pushed, ready, versions, backend = self._pushed, self._ready, self._versions, self.backend
+        # A tensor modified in place since its push will never be handed back (its
+        # unpack raises), but its copy must still be ordered after the modifying work.
+        for index, tensor in enumerate(pushed):
+            if tensor._version != versions[index]:
+                self._modified[index] = tensor._version
+                ready[index] = backend.record_event()
+        if self._grouped:
+            group = TensorGroupProcessor.process_before_offload(TensorGroup(pushed, ready))
+            unique, self._layout = group.tensor_list, group.aux
+        else:
+            unique = pushed  # one copy per pushed tensor, as it is
+        self._unique = unique
+        sizes = [t.nbytes for t in unique]
+        self._host = host = self.host_buffers.acquire(self.layer_index, unique, sizes)
+        stream = self.offload_stream
         if self._push_stream is not None:  # covers every tensor pushed on that stream
             backend.wait_event(stream, backend.record_event(self._push_stream))
         waited: set[int] = set()
-        for ready in pushed.events:  # marked tensors, other streams, modified tensors
-            if ready is not None and id(ready) not in waited:
-                waited.add(id(ready))
-                backend.wait_event(stream, ready)
-        unique = self._unique.tensor_list
-        if any(h is None for h in self._host):  # the pool is at max_host_bytes
-            self._stay = [t if h is None else None for h, t in zip(self._host, unique)]
+        for event in ready:  # marked tensors, other streams, modified tensors
+            if event is not None and id(event) not in waited:
+                waited.add(id(event))
+                backend.wait_event(stream, event)
+        if self.host_buffers.max_bytes is not None and any(h is None for h in host):
+            # The pool is at max_host_bytes: what got no buffer stays on the device.
+            self._stay = [t if h is None else None for h, t in zip(host, unique)]
+            sizes = [n for n, h in zip(sizes, host) if h is not None]
+        self._host_bytes = sum(sizes)
         hosts, sources = self._with_host(unique)
-        self._host_bytes = sum(h.numel() * h.element_size() for h in hosts)
         self._copy("d2h", hosts, sources)
         self._in_flight = [backend.record_event(stream)]
 
@@ -524,38 +578,30 @@ class OffloadableLayerState:
         if timer is not None:
             timer.stop(direction, self._host_bytes, start, stream)
 
-    def _note_modified(self) -> None:
-        """Record tensors modified in place since their push; their copies wait for now.
-
-        Their values will never be handed back (their unpack raises), but the copy must
-        still be ordered after the compute work that modified them.
-        """
-        pushed = self._pushed
-        for index, tensor in enumerate(pushed.tensor_list):
-            if tensor._version != self._versions[index]:
-                self._modified[index] = tensor._version
-                pushed.events[index] = self.backend.record_event()
-
     def release_activation_forward_gpu_memory(self) -> None:
         """Drop the device copies once the offload has read them."""
         self._transition("release_activation_forward_gpu_memory")
         self._wait_for_copies()
-        self._pushed = TensorGroup()
-        self._unique = TensorGroup(aux=self._unique.aux)
+        self._pushed = []
+        self._unique = []
 
-    @torch.no_grad()
     def start_reload(self) -> None:
         """Queue host-to-device copies on the offload stream, one event for the layer."""
         self._transition("start_reload")
         if not self._host:
-            self._reloaded = TensorGroup()
+            self._reloaded = []
             return
+        _without_grad(self._start_copies_in)
+
+    def _start_copies_in(self) -> None:
         backend, stream = self.backend, self.offload_stream
-        stay = self._stay or [None] * len(self._host)
-        targets = [
-            backend.empty_device(host) if host is not None else cast(torch.Tensor, kept)
-            for host, kept in zip(self._host, stay)
-        ]
+        if self._stay:
+            targets = [
+                backend.empty_device(host) if host is not None else cast(torch.Tensor, kept)
+                for host, kept in zip(self._host, self._stay)
+            ]
+        else:
+            targets = backend.empty_device_many(cast(list[torch.Tensor], self._host))
         backend.wait_stream(stream, backend.current_stream())
         hosts, reloaded = self._with_host(targets)
         self._copy("h2d", reloaded, hosts)
@@ -563,8 +609,11 @@ class OffloadableLayerState:
         event = self._reload_event = backend.record_event(stream)
         self._reload_waited_on = _NOT_WAITED
         self._in_flight = [event]
-        group = TensorGroup(targets, [event] * len(targets), aux=self._unique.aux)
-        self._reloaded = TensorGroupProcessor.process_after_reload(group)
+        if self._layout is None:
+            self._reloaded = targets
+        else:
+            group = TensorGroup(targets, [event] * len(targets), aux=self._layout)
+            self._reloaded = TensorGroupProcessor.process_after_reload(group).tensor_list
 
     def release_all_memory(self) -> None:
         """Drop the layer's device tensors after its backward.
@@ -576,17 +625,16 @@ class OffloadableLayerState:
         back to ``NOT_OFFLOADED``.
         """
         self._held_lease = None  # what was pushed by hand lives as long as its handles now
-        if self._live_lease() is None:
+        if self._lease is None or self._lease() is None:
             self._drop_data()
-            self.state = LayerState.NOT_OFFLOADED
+            self.state = _NOT_OFFLOADED
             return
-        if self.state is LayerState.NOT_OFFLOADED:
+        if self.state is _NOT_OFFLOADED:
             return  # never copied: the device tensors live as long as the graph
         self._wait_for_copies()
-        self._pushed, self._reloaded = TensorGroup(), TensorGroup()
-        self._unique = TensorGroup(aux=self._unique.aux)
+        self._pushed, self._reloaded, self._unique = [], [], []
         self._backward_done = True
-        self.state = LayerState.OFFLOAD_FINISHED
+        self.state = _OFFLOAD_FINISHED
 
     def _start_new_cycle(self) -> None:
         """A state reused for a new forward after its backward: the old graph's
@@ -594,20 +642,22 @@ class OffloadableLayerState:
         self._lease = self._held_lease = None
         self._drop_data()
         self.generation += 1
-        self.state = LayerState.NOT_OFFLOADED
+        self.state = _NOT_OFFLOADED
 
     def _graph_released(self, generation: int) -> None:
         """Finalizer of the lease: no handle of this push cycle is left."""
         if generation != self.generation:
             return  # the state was reused since; that cycle's data is gone already
         self._lease = None
-        after_backward = self._backward_done or self.state is LayerState.RELOAD_STARTED
+        after_backward = self._backward_done or self.state is _RELOAD_STARTED
         self._drop_data()
         self.generation += 1
         if after_backward:
-            self.state = LayerState.NOT_OFFLOADED
+            self.state = _NOT_OFFLOADED
 
     def _drop_data(self) -> None:
+        if not self._versions:
+            return  # nothing was pushed to be copied since the last reset: nothing to drop
         self._wait_for_copies()
         self.host_buffers.release(self.layer_index, self._host)
         self._reset_data()
@@ -625,7 +675,7 @@ class OffloadableLayerState:
     def holds_storage(self, cdata: int) -> bool:
         """Whether a tensor pushed to be offloaded, not yet copied, lives in the storage
         ``cdata`` (a ``StorageWeakRef``'s)."""
-        return any(t.untyped_storage()._cdata == cdata for t in self._pushed.tensor_list)
+        return any(t.untyped_storage()._cdata == cdata for t in self._pushed)
 
     @property
     def num_offloaded_tensors(self) -> int:
@@ -634,7 +684,7 @@ class OffloadableLayerState:
 
     def get_offloaded_total_size_mb(self) -> float:
         """MiB of this layer's data that sits in host memory now."""
-        if self.state is LayerState.NOT_OFFLOADED:
+        if self.state is _NOT_OFFLOADED:
             return 0.0
         return self._host_bytes / 2**20
 
@@ -642,13 +692,23 @@ class OffloadableLayerState:
 @eager
 def unpack_saved(handle: Any) -> Any:
     """The unpack hook: turn whatever a pack hook returned back into a tensor."""
-    kind = type(handle)
-    if kind is _Offloaded:
-        return handle.lease.layer._pop(handle)
-    if kind is _Kept:
-        return handle.unpack()
-    if isinstance(handle, _Decomposed):
+    if type(handle) is tuple:  # NOTE [Handles]
+        if len(handle) == 2:
+            lease, index = handle
+            return lease.layer._pop(lease, index)
+        tensor, version, layer = handle
+        if tensor._version != version:
+            raise _modified_error(
+                _describe(tensor),
+                tensor._version,
+                version,
+                f"the tensor was saved by {layer.name} and stayed on the device",
+            )
+        return tensor
+    if type(handle) is _Decomposed:
         components = [None if part is None else unpack_saved(part) for part in handle.parts]
         handle.obj.restore_from_saved(components)
+        return handle.obj
+    if type(handle) is _Verbatim:
         return handle.obj
     return handle

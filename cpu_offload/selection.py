@@ -10,7 +10,7 @@ from types import FrameType
 
 import torch
 
-from .marks import is_marked_not_offload, marks_of
+from .marks import TensorMarks, is_marked_not_offload, marks_of
 from .tensor_group import AUTO_BASE_MAX_RATIO, is_dense, offloads_through_base
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "is_dense",
     "is_offloadable",
     "kept_because",
+    "plain_kept_because",
+    "warn_not_dense",
     "warn_once_per_call_site",
 ]
 
@@ -73,6 +75,23 @@ def _saved_by_compiled_graph() -> bool:
     return False
 
 
+def _cast_node_type() -> type | None:
+    """The class of autograd's node for a dtype cast (``ToCopyBackward0``), or None."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            node = torch.zeros(1, requires_grad=True).to(torch.float64).grad_fn
+    except RuntimeError:  # pragma: no cover - no autograd here
+        return None
+    return type(node) if node is not None and node.name() == "ToCopyBackward0" else None
+
+
+#: the node class of a dtype cast, known once (asking a node its name costs a call per tensor)
+_CAST_NODE = _cast_node_type()
+_STRIDED = torch.strided
+_Parameter = torch.nn.Parameter
+_is_functional = torch._is_functional_tensor
+
+
 def _is_cast_of_parameter(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (or its base) is a dtype cast of a parameter.
 
@@ -105,7 +124,7 @@ def is_offloadable(
     """
     reason = kept_because(tensor, device, min_numel, min_bytes)
     if reason == NOT_DENSE:
-        _warn_not_dense(tensor)  # type: ignore[arg-type]
+        warn_not_dense(tensor)  # type: ignore[arg-type]
     return reason is None
 
 
@@ -126,28 +145,48 @@ def kept_because(
     if type(tensor) is not torch.Tensor:
         return SUBCLASS  # parameters, tensor subclasses (nested, fake, DTensor, ...)
     numel = tensor.numel()
-    if numel < min_numel or numel == 0 or numel * tensor.element_size() < min_bytes:
+    if numel < min_numel:
+        return SMALL
+    return plain_kept_because(tensor, numel, device, min_bytes, marks_of(tensor))
+
+
+def plain_kept_because(
+    tensor: torch.Tensor,
+    numel: int,
+    device: torch.device,
+    min_bytes: int,
+    marks: TensorMarks | None,
+) -> str | None:
+    """:func:`kept_because` for a ``torch.Tensor`` (exactly) of ``numel`` elements, at
+    least ``min_numel``, whose marks are ``marks``: the pack hook's path, where every
+    check is paid per saved tensor, so the cheap and common ones come first."""
+    if numel == 0 or (min_bytes and numel * tensor.element_size() < min_bytes):
         return SMALL
     if tensor.device != device:
         return OTHER_DEVICE
-    if tensor.layout is not torch.strided:
+    if tensor.layout is not _STRIDED:
         return NOT_STRIDED
     base = tensor._base
-    if base is not None and isinstance(base, torch.nn.Parameter):  # (a Python-level check)
-        return PARAMETER  # a view of a weight (Linear saves weight.t()) is a weight
-    marks = marks_of(tensor)
+    # A view of a weight (Linear saves weight.t()) is a weight.  (Parameters are leaves;
+    # an isinstance check against Parameter runs Python code, so it is asked last.)
+    if base is not None and base.is_leaf and isinstance(base, _Parameter):
+        return PARAMETER
     if is_marked_not_offload(tensor, marks):
         return MARKED
-    if tensor.is_conj() or tensor.is_neg() or torch._is_functional_tensor(tensor):
+    if tensor.is_conj() or tensor.is_neg() or _is_functional(tensor):
         return BIT_OR_TRACING  # (fake tensors are a subclass, refused above)
-    if tensor.requires_grad and _is_cast_of_parameter(tensor):
+    if (
+        _CAST_NODE is None
+        or type(tensor.grad_fn) is _CAST_NODE
+        or (base is not None and type(base.grad_fn) is _CAST_NODE)
+    ) and (tensor.requires_grad and _is_cast_of_parameter(tensor)):
         return PARAMETER
     if base is not None and offloads_through_base(tensor, marks):
         return None if is_dense(base) else NOT_DENSE
-    return None if is_dense(tensor) else NOT_DENSE
+    return None if tensor.is_contiguous() or is_dense(tensor) else NOT_DENSE
 
 
-def _warn_not_dense(tensor: torch.Tensor) -> None:
+def warn_not_dense(tensor: torch.Tensor) -> None:
     if _saved_by_compiled_graph():
         advice = (
             "It was saved by a torch.compile'd region, where start_offload() marks do not "

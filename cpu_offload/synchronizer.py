@@ -24,6 +24,7 @@ from .forward_pass import ForwardPass
 from .host_buffers import HostBufferPool
 from .layer_state import LayerState, OffloadableLayerState, unpack_saved
 from .marks import set_mark
+from .per_thread import PerThread
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .stats import OffloadStats
 
@@ -51,11 +52,14 @@ def _check_model_layers(num_layers: object) -> None:
         raise ValueError(f"cpu_offload: model_layers must be an int >= 1, got {num_layers!r}.")
 
 
-class _ForwardInProgress(threading.local):
+class _ForwardInProgress:
     """The forward pass a thread is running (see NOTE [Who owns a forward pass])."""
 
-    current: ForwardPass | None = None
-    finished: weakref.ref[ForwardPass] | None = None  # the last pass whose forward ended
+    __slots__ = ("current", "finished")
+
+    def __init__(self) -> None:
+        self.current: ForwardPass | None = None
+        self.finished: weakref.ref[ForwardPass] | None = None  # the last pass whose forward ended
 
 
 class OffloadSynchronizer:
@@ -121,7 +125,7 @@ class OffloadSynchronizer:
         self.copy_timer: CopyTimer | None = None  # set by benchmarks to time copies
         #: warn (once) when a whole forward pass moved nothing because of the threshold
         self.warn_if_nothing_moved = True
-        self._forwarding = _ForwardInProgress()  # per thread
+        self._forwarding = PerThread(_ForwardInProgress)
         self._driven_by_hand: ForwardPass | None = None  # see bwd_step
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
         self._passes_lock = threading.Lock()
@@ -195,10 +199,10 @@ class OffloadSynchronizer:
     @property
     def current_pass(self) -> ForwardPass | None:
         """The pass whose forward is in progress in this thread, if any."""
-        return self._forwarding.current
+        return self._forwarding.value.current
 
     def _set_current(self, forward_pass: ForwardPass | None) -> None:
-        self._forwarding.current = forward_pass
+        self._forwarding.value.current = forward_pass
 
     def layer_is_offloaded(self, layer: int) -> bool:
         """Whether this synchronizer may offload ``layer`` (hooks are installed for it)."""
@@ -213,16 +217,17 @@ class OffloadSynchronizer:
         progress was abandoned (see :meth:`ForwardPass.abandoned`: an exception
         between two layers, say).
         """
-        forward_pass = self.current_pass
+        forwarding = self._forwarding.value
+        forward_pass = forwarding.current
         if (
             forward_pass is None
-            or forward_pass.forward_done
+            or forward_pass.layers_forwarded == forward_pass.num_layers
             or forward_pass.backward_reached
             or forward_pass.abandoned()
         ):
             forward_pass = self._new_pass()
-            forward_pass.follows, self._forwarding.finished = self._forwarding.finished, None
-            self._set_current(forward_pass)
+            forward_pass.follows, forwarding.finished = forwarding.finished, None
+            forwarding.current = forward_pass
         layer = forward_pass.layers_forwarded
         forward_pass.layers_forwarded += 1
         self._on_forward(forward_pass, layer)
@@ -230,10 +235,11 @@ class OffloadSynchronizer:
 
     def fwd_end(self) -> None:
         """Called as a layer's forward ends; the last layer hands the pass to its graph."""
-        current = self.current_pass
-        if current is not None and current.forward_done:
-            self._set_current(None)
-            self._forwarding.finished = weakref.ref(current)
+        forwarding = self._forwarding.value
+        current = forwarding.current
+        if current is not None and current.layers_forwarded == current.num_layers:
+            forwarding.current = None
+            forwarding.finished = current.weak
             self._on_forward_end(current)
 
     def abort_forward(self) -> None:
@@ -257,7 +263,7 @@ class OffloadSynchronizer:
         current = self.current_pass
         if current is None:
             raise CpuOffloadError("cpu_offload: push_tensor called outside a layer's forward.")
-        return current.layer_states[current.layers_forwarded - 1].push_by_hand(tensor)
+        return current.state(current.layers_forwarded - 1).push_by_hand(tensor)
 
     def pop_tensor(self, handle: Any) -> Any:
         """Give back a saved tensor (the handle knows its layer)."""
@@ -283,7 +289,7 @@ class OffloadSynchronizer:
                 self._driven_by_hand = forward_pass
         previous = forward_pass.previous_bwd_layer
         if previous is not None and previous != layer:
-            forward_pass.layer_states[previous].release_all_memory()
+            self._release(forward_pass, previous)
         forward_pass.previous_bwd_layer = layer
         self._on_backward(forward_pass, layer)
 
@@ -293,13 +299,21 @@ class OffloadSynchronizer:
         forward_pass.finish_queued = False
         previous = forward_pass.previous_bwd_layer
         if previous is not None:
-            forward_pass.layer_states[previous].release_all_memory()
+            self._release(forward_pass, previous)
         forward_pass.previous_bwd_layer = None
         if self._driven_by_hand is forward_pass:
             self._driven_by_hand = None
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
         """Policy hook: backward reaches ``layer``."""
+
+    @staticmethod
+    def _release(forward_pass: ForwardPass, layer: int) -> None:
+        """Backward is past ``layer``: drop its device tensors (a layer with no state
+        has none)."""
+        state = forward_pass.made_state(layer)
+        if state is not None:
+            state.release_all_memory()
 
     # ------------------------------------------------------------ queries
 
@@ -417,16 +431,15 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         return layer in self._offloaded
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
-        states = forward_pass.layer_states
-        if layer >= 1 and self.layer_is_offloaded(layer - 1):
-            states[layer - 1].start_offload()
+        if layer >= 1 and layer - 1 in self._offloaded:
+            forward_pass.state(layer - 1).start_offload()
         for released in self.release_schedule[layer]:
-            states[released].release_activation_forward_gpu_memory()
+            forward_pass.state(released).release_activation_forward_gpu_memory()
 
     def _on_forward_end(self, forward_pass: ForwardPass) -> None:
         if not self.warn_if_nothing_moved or self.num_offloaded_layers == 0:
             return
-        states = [forward_pass.layer_states[layer] for layer in self.offloaded_layers]
+        states = [forward_pass.state(layer) for layer in self.offloaded_layers]
         largest = max(state.largest_below_threshold for state in states)
         if largest and not any(state.num_offloaded_tensors for state in states):
             self.warn_if_nothing_moved = False  # once
@@ -443,7 +456,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
         for reloaded in self.reload_schedule[layer]:
-            state = forward_pass.layer_states[reloaded]
+            state = forward_pass.state(reloaded)
             if state.state is LayerState.OFFLOAD_FINISHED:
                 state.start_reload()
 
@@ -501,4 +514,4 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
                 f"cpu_offload: layer_id must be an int in [0, {self.num_layers - 1}], "
                 f"got {layer_id!r}."
             )
-        return self.resolve_pass(forward_pass).layer_states[layer_id]
+        return self.resolve_pass(forward_pass).state(layer_id)

@@ -49,8 +49,8 @@ def test_on_the_cpu_it_runs_what_it_can_and_says_what_it_did_not(capsys, tmp_pat
 def test_wrong_gradients_fail_and_the_exit_status_says_so(capsys, monkeypatch):
     original = OffloadableLayerState._pop
 
-    def corrupting_pop(self, handle):
-        return original(self, handle) * 2  # a reload that brings back the wrong values
+    def corrupting_pop(self, lease, index):
+        return original(self, lease, index) * 2  # a reload that brings back the wrong values
 
     monkeypatch.setattr(OffloadableLayerState, "_pop", corrupting_pop)
     assert check.main(["--device", "cpu"]) == 1

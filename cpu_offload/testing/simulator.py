@@ -309,6 +309,8 @@ def _mutated_args(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
 class SimulatedBackend(DeviceBackend):
     """The host device with simulated streams; see NOTE [Strict stream simulation]."""
 
+    checks_handoff = True
+
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.counters = StreamCounters()
