@@ -42,6 +42,8 @@ _active_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
 
 _hooks_disabled_warned = False
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks  # type: ignore[attr-defined]
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
+_graph_task_id = torch._C._current_graph_task_id
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks  # type: ignore[attr-defined]
 
 
@@ -231,7 +233,10 @@ class OffloadContext:
                 "Use one `with ctx:` block per layer, and call sync_fn on the layer's "
                 "output after the block."
             )
-        frame.inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
+        # (what _forward_inside_backward and _saved_tensors_hooks_enabled ask, inline)
+        frame.inert = _graph_task_id() != -1 or (
+            not _hooks_enabled() and not _saved_tensors_hooks_enabled()
+        )
         if frame.inert:
             frame.inside = True
             return self
@@ -239,13 +244,11 @@ class OffloadContext:
         try:
             if new_pass:
                 synchronizer.abort_forward()
-            for _ in range(skipped):
-                synchronizer.fwd_step()
-                synchronizer.fwd_end()
-            layer = synchronizer.fwd_step()
-            forward_pass = synchronizer.current_pass
-            if forward_pass is None:  # pragma: no cover - fwd_step always sets it
-                raise CpuOffloadError("cpu_offload internal error: no forward pass after fwd_step.")
+            if skipped:
+                for _ in range(skipped):
+                    synchronizer.fwd_step()
+                    synchronizer.fwd_end()
+            layer, forward_pass = synchronizer.forward_step()
             frame.last_pass = forward_pass.weak
             frame.unattached_pass = forward_pass
             frame.last_layer = layer

@@ -57,6 +57,7 @@ NOTE [Version counter checks]
 from __future__ import annotations
 
 import enum
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -185,6 +186,9 @@ def _describe(tensor: torch.Tensor) -> str:
 
 
 _NOT_WAITED = object()
+#: an empty list that is a tuple, and an empty dict that is read-only: see _reset_data
+_NONE_YET: list[Any] = cast(list, ())
+_NO_ENTRIES: dict[Any, Any] = cast(dict, types.MappingProxyType({}))
 
 
 class _Lease:
@@ -309,23 +313,26 @@ class OffloadableLayerState:
         self._reset_data()
 
     def _reset_data(self) -> None:
-        self._pushed: list[torch.Tensor] = []  # device tensors as pushed, one per handle
-        self._ready: list[Any] = []  # per pushed position: its ready event, or None
-        self._versions: list[int] = []  # per pushed position: version at push
-        self._originals: list[weakref.ref[torch.Tensor]] = []  # per pushed position
+        # The push cycle's lists are made by its first push of a tensor to copy
+        # (_new_lease): most layer states never have one, and an empty tuple costs
+        # nothing to make (appending to one would raise, as writing to _NO_ENTRIES).
+        self._pushed: list[torch.Tensor] = _NONE_YET  # device tensors as pushed, one per handle
+        self._ready: list[Any] = _NONE_YET  # per pushed position: its ready event, or None
+        self._versions: list[int] = _NONE_YET  # per pushed position: version at push
+        self._originals: list[weakref.ref[torch.Tensor]] = _NONE_YET  # per pushed position
         # id(tensor) -> (weak tensor, its alias): one alias per tensor object
-        self._aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = _NO_ENTRIES
+        self._modified: dict[int, int] = _NO_ENTRIES  # pushed position -> version seen at copy
         # Whether group processing has work: a view moves through its base, or a tensor
         # was pushed twice.  Otherwise the pushed tensors are copied as they are.
         self._grouped = False
         self._layout: GroupLayout | None = None  # how to undo group processing
-        self._modified: dict[int, int] = {}  # pushed position -> version seen at copy
-        self._unique: list[torch.Tensor] = []  # after group processing, being copied
-        self._host: list[torch.Tensor | None] = []  # None: over max_host_bytes, stays
-        self._stay: list[torch.Tensor | None] = []  # per unique tensor: kept on the device
+        self._unique: list[torch.Tensor] = _NONE_YET  # after group processing, being copied
+        self._host: list[torch.Tensor | None] = _NONE_YET  # None: over max_host_bytes, stays
+        self._stay: list[torch.Tensor | None] = _NONE_YET  # per unique tensor: kept on the device
         self._host_bytes = 0  # bytes of the host copies
-        self._reloaded: list[torch.Tensor] = []  # per pushed position, after reload
-        self._in_flight: list[Any] = []  # events of copies nobody has waited for
+        self._reloaded: list[torch.Tensor] = _NONE_YET  # per pushed position, after reload
+        self._in_flight: list[Any] = _NONE_YET  # events of copies nobody has waited for
         self._push_stream: Any = None  # current stream at the first push
         self._push_stream_key: Any = None
         self._reload_event: Any = None  # recorded after the layer's reload copies
@@ -406,6 +413,9 @@ class OffloadableLayerState:
         return (lease, index)
 
     def _new_lease(self) -> _Lease:
+        """The first push of a tensor to copy in this cycle: its lease and lists."""
+        self._pushed, self._ready, self._versions, self._originals = [], [], [], []
+        self._aliases, self._modified = {}, {}
         lease = _Lease(self)
         self._lease = weakref.ref(lease)
         weakref.finalize(lease, self._graph_released, self.generation).atexit = False
@@ -520,7 +530,7 @@ class OffloadableLayerState:
     def start_offload(self) -> None:
         """Queue device-to-host copies of the layer's tensors on the offload stream."""
         self._transition("start_offload")
-        self._aliases = {}  # no more pushes: only the layer's lists hold the tensors now
+        self._aliases = _NO_ENTRIES  # no more pushes: only the lists hold the tensors now
         if self._pushed:
             _without_grad(self._start_copies_out)
 

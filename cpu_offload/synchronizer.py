@@ -217,6 +217,10 @@ class OffloadSynchronizer:
         progress was abandoned (see :meth:`ForwardPass.abandoned`: an exception
         between two layers, say).
         """
+        return self.forward_step()[0]
+
+    def forward_step(self) -> tuple[int, ForwardPass]:
+        """:meth:`fwd_step`, returning the layer's pass as well."""
         forwarding = self._forwarding.value
         forward_pass = forwarding.current
         if (
@@ -231,7 +235,7 @@ class OffloadSynchronizer:
         layer = forward_pass.layers_forwarded
         forward_pass.layers_forwarded += 1
         self._on_forward(forward_pass, layer)
-        return layer
+        return layer, forward_pass
 
     def fwd_end(self) -> None:
         """Called as a layer's forward ends; the last layer hands the pass to its graph."""

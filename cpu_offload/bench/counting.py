@@ -48,6 +48,7 @@ class ModeCount:
     steps: int
     tensors_per_step: int
     per_step: float = 0.0
+    layers: int = 0  # the layers the per-layer modes divide by
 
 
 def callgrind_available() -> bool:
@@ -103,7 +104,11 @@ def count_under_callgrind(argv: Sequence[str], read_modes: Callable[[str], list[
         print(f"running under callgrind (a minute or more): {' '.join(command[:4])} ...")
         sys.stdout.flush()
         result = subprocess.run(
-            command, env={**os.environ, ENV_OUT: folder}, capture_output=True, text=True
+            # A fixed hash seed: dictionaries lay out the same way, so counts repeat.
+            command,
+            env={**os.environ, ENV_OUT: folder, "PYTHONHASHSEED": "0"},
+            capture_output=True,
+            text=True,
         )
         if result.returncode != 0:
             raise RuntimeError(

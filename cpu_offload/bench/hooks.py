@@ -155,24 +155,48 @@ def count_hook_costs(
     results = []
     for mode in COUNTED_MODES:
         run, synchronizer = _runner(mode, stack, backend)
-        for _ in range(warmup):
-            run(x).sum().backward()
-        moved = synchronizer.stats.tensors_offloaded if synchronizer else 0
-        collector.start()
-        for _ in range(steps):
-            run(x).sum().backward()
-        elapsed = collector.stop()
-        if mode == "hooks:move" and synchronizer is not None:
-            tensors = (synchronizer.stats.tensors_offloaded - moved) // steps
+        elapsed, moved = _count_steps(run, synchronizer, x, collector, steps, warmup)
+        if mode == "hooks:move":
+            tensors = moved
         elif mode == "hooks:stay":
             tensors = sum(saved[:-1])  # our hooks cover layers 0..L-2
         else:
             tensors = 0 if mode == "none" else sum(saved)
         results.append(ModeCount(mode, steps, tensors, elapsed / steps))
+    # The fixed cost of a layer: the same stack of layers that save nothing.
+    empty = nn.ModuleList([_SavesNothing() for _ in range(layers)])
+    for mode, runner in (("layers:none", "none"), ("layers:hooks", "hooks:stay")):
+        run, synchronizer = _runner(runner, empty, backend)
+        elapsed, _ = _count_steps(run, synchronizer, x, collector, steps, warmup)
+        results.append(ModeCount(mode, steps, 0, elapsed / steps, layers=layers))
     return results
 
 
-#: the modes ``--count`` measures, in order; ``empty_hooks`` is the floor
+class _SavesNothing(nn.Module):
+    """A layer whose forward saves no tensor for backward (``x + 1``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def _count_steps(
+    run: Callable, synchronizer: Any, x: torch.Tensor, collector: Collector, steps: int, warmup: int
+) -> tuple[float, int]:
+    """What ``steps`` steps cost after ``warmup`` ones, and the tensors moved per step."""
+    for _ in range(warmup):
+        run(x).sum().backward()
+    moved = synchronizer.stats.tensors_offloaded if synchronizer else 0
+    collector.start()
+    for _ in range(steps):
+        run(x).sum().backward()
+    elapsed = collector.stop()
+    moved = (synchronizer.stats.tensors_offloaded - moved) // steps if synchronizer else 0
+    return elapsed, moved
+
+
+#: the modes ``--count`` measures per tensor, in order; ``empty_hooks`` is the floor.
+#: Then ``layers:none`` and ``layers:hooks``: the same layers saving nothing, for the
+#: fixed cost of a layer under our context and ``sync_fn``.
 COUNTED_MODES = ["none", "empty_hooks", "hooks:stay", "hooks:move", "save_on_cpu", "copy_hooks"]
 
 
@@ -180,6 +204,8 @@ def print_counts(modes: list[ModeCount], unit: str) -> None:
     """Cost per saved tensor above no hooks, and its ratio to the floors."""
     per = {m.mode: m for m in modes}
     base = per["none"].per_step
+    fixed = [per.pop(name, None) for name in ("layers:none", "layers:hooks")]
+    modes = list(per.values())
 
     def per_tensor(mode: str) -> float | None:
         m = per[mode]
@@ -208,6 +234,12 @@ def print_counts(modes: list[ModeCount], unit: str) -> None:
         "handled (hooks:stay: the tensors our hooks saw; hooks:move: the tensors moved). "
         "Targets (issue 21): hooks:move <= 1.5x copy_hooks, hooks:stay <= 2.0x the empty pair."
     )
+    if fixed[0] is not None and fixed[1] is not None:
+        per_layer = (fixed[1].per_step - fixed[0].per_step) / fixed[1].layers
+        print(
+            f"fixed cost per layer: {per_layer:,.0f} {unit} (layers that save nothing, with "
+            "our context and sync_fn, minus without; hooks on all but the last)"
+        )
 
 
 def _plain(stack: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:

@@ -212,10 +212,13 @@ def test_instruction_counts_fall_back_to_thread_time_without_valgrind(
     modes = {m["mode"]: m for m in document["modes"]}
     assert document["unit"] == "ns"
     assert list(modes) == [
-        "none", "empty_hooks", "hooks:stay", "hooks:move", "save_on_cpu", "copy_hooks"
+        "none", "empty_hooks", "hooks:stay", "hooks:move", "save_on_cpu", "copy_hooks",
+        "layers:none", "layers:hooks",
     ]  # fmt: skip
     assert all(m["per_step"] > 0 for m in modes.values())
     assert modes["hooks:move"]["tensors_per_step"] > 0 and modes["none"]["tensors_per_step"] == 0
+    assert modes["layers:hooks"]["layers"] == 3
+    assert "fixed cost per layer: " in out and " ns (layers that save nothing" in out
 
 
 def test_callgrind_totals_are_read_from_a_dump(tmp_path):

@@ -32,8 +32,8 @@ def record_schedule(monkeypatch, num_layers: int, offloaded: int) -> list[tuple]
 
     ctx, sync_fn = get_cpu_offload_context(True, offloaded, num_layers, min_offload_numel=0)
     synchronizer = ctx.offload_synchronizer
-    fwd_step, bwd_step, finish = (
-        synchronizer.fwd_step,
+    forward_step, bwd_step, finish = (
+        synchronizer.forward_step,
         synchronizer.bwd_step,
         synchronizer.finish_part_of_bwd,
     )
@@ -45,7 +45,7 @@ def record_schedule(monkeypatch, num_layers: int, offloaded: int) -> list[tuple]
             if synchronizer.current_pass and not synchronizer.current_pass.forward_done
             else 0,
         )
-        return fwd_step()
+        return forward_step()
 
     def logged_bwd(layer, forward_pass=None):
         step.update(phase="bwd", index=layer)
@@ -55,7 +55,7 @@ def record_schedule(monkeypatch, num_layers: int, offloaded: int) -> list[tuple]
         step.update(phase="finish", index=None)
         return finish(forward_pass)
 
-    monkeypatch.setattr(synchronizer, "fwd_step", logged_fwd)
+    monkeypatch.setattr(synchronizer, "forward_step", logged_fwd)
     monkeypatch.setattr(synchronizer, "bwd_step", logged_bwd)
     monkeypatch.setattr(synchronizer, "finish_part_of_bwd", logged_finish)
 
