@@ -370,6 +370,27 @@ def views_through_their_base(off: Offload) -> list[torch.Tensor]:
     return [x.grad, w3.grad, w2.grad]
 
 
+def tensors_saved_twice(modify: bool) -> Callable[[Offload], list[torch.Tensor]]:
+    """A leaf and an activation each saved by two ops of one layer (copied once, handed
+    back twice), beside layers that save each tensor once; with ``modify``, the
+    activation is modified in place after both saves."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        x, w = leaf(8, 4), leaf(4, 4)
+
+        def twice(h: torch.Tensor) -> torch.Tensor:
+            a = h.sin()
+            out = (h * x) + (h * x).exp() + a * a.cos() + (a @ w) * a
+            if modify:
+                a.mul_(2)
+            return out
+
+        chain([twice, torch.sin, twice], x, *off.context()).sum().backward()
+        return [x.grad, w.grad]
+
+    return program
+
+
 def integer_indices_from_nonzero(off: Offload) -> list[torch.Tensor]:
     """Index tensors of nonzero ((N, 1), strides (1, N)) and argsort saved by gathers."""
     x = leaf(64)
@@ -547,6 +568,8 @@ PROGRAMS = {
     "permuted saved tensors": Row(permuted_saved_tensors),
     "views through their base (qkv, SwiGLU)": Row(views_through_their_base),
     "integer indices from nonzero and argsort": Row(integer_indices_from_nonzero),
+    "tensors saved twice (a leaf, an activation)": Row(tensors_saved_twice(False)),
+    "a tensor saved twice, modified in place": Row(tensors_saved_twice(True), match=MODIFIED),
     "exception inside a layer, then a step": Row(exception_inside_a_layer_then_a_step),
     "max_host_bytes below the need": Row(host_memory_cap_below_the_need),
     "min_offload_bytes": Row(byte_threshold),

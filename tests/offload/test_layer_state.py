@@ -309,3 +309,13 @@ def test_tensors_saved_on_another_stream_keep_their_own_event():
     backend.waited.clear()
     state.pop_tensor(first)
     assert backend.waited == [backend.recorded[-1]]  # a pop on another stream waits again
+
+
+def test_objects_pushed_by_hand_come_back_as_they_were(streams):
+    """A handle that is a tuple stands for a tensor (NOTE [Handles]): a tuple pushed by
+    hand is wrapped, and any other object is its own handle."""
+    state = make_state()
+    pair, name = (torch.randn(4), 2), "not a tensor"
+    handles = [state.push_tensor(pair), state.push_tensor(name)]
+    assert handles[1] is name and type(handles[0]) is not tuple
+    assert state.pop_tensor(handles[0]) is pair and state.pop_tensor(handles[1]) is name
