@@ -42,8 +42,6 @@ _active_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
 
 _hooks_disabled_warned = False
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks  # type: ignore[attr-defined]
-_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
-_graph_task_id = torch._C._current_graph_task_id
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks  # type: ignore[attr-defined]
 
 
@@ -233,10 +231,7 @@ class OffloadContext:
                 "Use one `with ctx:` block per layer, and call sync_fn on the layer's "
                 "output after the block."
             )
-        # (what _forward_inside_backward and _saved_tensors_hooks_enabled ask, inline)
-        frame.inert = _graph_task_id() != -1 or (
-            not _hooks_enabled() and not _saved_tensors_hooks_enabled()
-        )
+        frame.inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
         if frame.inert:
             frame.inside = True
             return self

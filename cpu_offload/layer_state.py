@@ -370,7 +370,7 @@ class OffloadableLayerState:
         if numel < self.min_offload_numel:  # the common reason, checked first
             if self.largest_below_threshold < numel and type(tensor._base) is not _Parameter:
                 self.largest_below_threshold = numel  # (a weight's view is no activation)
-            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, self)
+            return _kept(tensor, self)
         marks = marks_of(tensor)
         reason = plain_kept_because(
             tensor, numel, self.backend.device, self.min_offload_bytes, marks
@@ -378,7 +378,7 @@ class OffloadableLayerState:
         if reason is not None:
             if reason is NOT_DENSE:
                 warn_not_dense(tensor)
-            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, self)
+            return _kept(tensor, self)
         event = marks.ready_event if marks is not None else None
         if event is None:
             # Covered by the one event start_offload records on the push stream,
@@ -400,14 +400,7 @@ class OffloadableLayerState:
         if base is not None and offloads_through_base(tensor, marks):
             alias = self._alias_view(tensor, base, marks)
         else:
-            key = id(tensor)
-            entry = self._aliases.get(key)
-            if entry is not None and entry[0]() is tensor:  # pushed again: copied once
-                alias = entry[1]
-                self._grouped = True
-            else:
-                alias = tensor if tensor.is_leaf and base is None else tensor.detach()
-                self._aliases[key] = (original, alias)
+            alias = self._alias_of(tensor, original)
         self._pushed.append(alias)
         self._ready.append(event)
         return (lease, index)
@@ -426,17 +419,26 @@ class OffloadableLayerState:
     ) -> torch.Tensor:
         """A view that moves through its base: the same view of the base's one alias."""
         self._grouped = True
-        key = id(base)
-        entry = self._aliases.get(key)
-        if entry is not None and entry[0]() is base:
-            base_alias = entry[1]
-        else:
-            base_alias = base if base.is_leaf and base._base is None else base.detach()
-            self._aliases[key] = (weakref.ref(base), base_alias)
+        base_alias = self._alias_of(base, None)
         view = base_alias.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
         if marks is not None and marks.offload_base:
             set_mark(view, offload_base=True)  # the group processing reads the mark
         return view
+
+    def _alias_of(
+        self, tensor: torch.Tensor, ref: weakref.ref[torch.Tensor] | None
+    ) -> torch.Tensor:
+        """One alias without history per tensor object, so a tensor pushed twice is
+        copied once (group processing then has work); ``ref``: a weak reference to
+        ``tensor`` already made, if any."""
+        key = id(tensor)
+        entry = self._aliases.get(key)
+        if entry is not None and entry[0]() is tensor:
+            self._grouped = True
+            return entry[1]
+        alias = tensor if tensor.is_leaf and tensor._base is None else tensor.detach()
+        self._aliases[key] = (ref if ref is not None else weakref.ref(tensor), alias)
+        return alias
 
     def push_by_hand(self, tensor: Any) -> Any:
         """Push a tensor that no pack hook saved (TransformerEngine's by-hand use).

@@ -225,7 +225,7 @@ class OffloadSynchronizer:
         forward_pass = forwarding.current
         if (
             forward_pass is None
-            or forward_pass.layers_forwarded == forward_pass.num_layers
+            or forward_pass.forward_done
             or forward_pass.backward_reached
             or forward_pass.abandoned()
         ):
@@ -241,7 +241,7 @@ class OffloadSynchronizer:
         """Called as a layer's forward ends; the last layer hands the pass to its graph."""
         forwarding = self._forwarding.value
         current = forwarding.current
-        if current is not None and current.layers_forwarded == current.num_layers:
+        if current is not None and current.forward_done:
             forwarding.current = None
             forwarding.finished = current.weak
             self._on_forward_end(current)
@@ -435,7 +435,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         return layer in self._offloaded
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
-        if layer >= 1 and layer - 1 in self._offloaded:
+        if layer >= 1 and self.layer_is_offloaded(layer - 1):
             forward_pass.state(layer - 1).start_offload()
         for released in self.release_schedule[layer]:
             forward_pass.state(released).release_activation_forward_gpu_memory()
