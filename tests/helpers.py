@@ -128,3 +128,20 @@ def small_llama_config(transformers: Any, path: Path) -> Any:
     )
     config.save_pretrained(path)
     return config
+
+
+def tiny_preset_run(min_numel: int) -> tuple[Any, Any, Any]:
+    """The planner's ``tiny`` preset layer measured at ``min_numel``, a 4-layer model of
+    that layer, and tokens of the preset's batch 2 and sequence 512."""
+    from cpu_offload.models.llama import Llama, LlamaConfig
+    from cpu_offload.plan import measure_layer
+    from cpu_offload.plan.layers import preset_layer
+
+    spec = preset_layer("tiny")
+    layer = measure_layer(
+        spec.make_layer, spec.inputs, min_offload_numel=min_numel, attention="cpu"
+    )
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(hidden=256, heads=4, kv_heads=2, ffn=688, layers=4))
+    tokens = torch.randint(0, 1024, (2, 513))
+    return layer, model, tokens

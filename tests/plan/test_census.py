@@ -6,11 +6,10 @@ import warnings
 
 import pytest
 import torch
-from helpers import small_llama_config
+from helpers import small_llama_config, tiny_preset_run
 from hosts import require
 
 from cpu_offload import offload_layers
-from cpu_offload.models.llama import Llama, LlamaConfig
 from cpu_offload.plan import measure_layer
 from cpu_offload.plan.layers import gpt_layer, hf_layer, preset_layer
 
@@ -29,13 +28,7 @@ def real_stats(model, k, min_numel, step):
 
 @pytest.mark.parametrize("min_numel", THRESHOLDS)
 def test_tiny_preset_plans_the_bytes_a_real_run_moves_for_every_k(min_numel):
-    spec = preset_layer("tiny")
-    layer = measure_layer(
-        spec.make_layer, spec.inputs, min_offload_numel=min_numel, attention="cpu"
-    )
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(hidden=256, heads=4, kv_heads=2, ffn=688, layers=4))
-    tokens = torch.randint(0, 1024, (2, 513))  # the preset's batch 2, seq 512
+    layer, model, tokens = tiny_preset_run(min_numel)
     for k in range(1, 4):
         moved = real_stats(model, k, min_numel, lambda: model.loss(tokens).backward())
         assert moved == (k * layer.offloaded_bytes, k * layer.tensors_offloaded), k

@@ -12,11 +12,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import small_llama_config
+from helpers import small_llama_config, tiny_preset_run
 from hosts import require
 
 from cpu_offload import offload_layers
-from cpu_offload.models.llama import Llama, LlamaConfig
 from cpu_offload.plan import (
     DeviceProfile,
     choose_policy,
@@ -186,13 +185,7 @@ def check_budgets(layer, num_layers, model, step, min_numel, device):
 
 @pytest.mark.parametrize("min_numel", [0, 2**18])
 def test_tiny_preset_policies_run_bit_identical_moving_the_planned_bytes(min_numel):
-    spec = preset_layer("tiny")
-    layer = measure_layer(
-        spec.make_layer, spec.inputs, min_offload_numel=min_numel, attention="cpu"
-    )
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(hidden=256, heads=4, kv_heads=2, ffn=688, layers=4))
-    tokens = torch.randint(0, 1024, (2, 513))  # the preset's batch 2, seq 512
+    layer, model, tokens = tiny_preset_run(min_numel)
     step = lambda: model.loss(tokens).backward()  # noqa: E731
     chosen, missed = [], []
     for device in (SLOW, "h100"):  # copies hidden on one, recomputation cheaper on the other
