@@ -46,10 +46,16 @@ NOTE [Saved tensors without their history]
 
 NOTE [Version counter checks]
     With saved-tensor hooks autograd no longer compares a saved tensor's version
-    counter at unpack.  The layer state does it instead: the version is recorded at
-    push, compared when the copy starts (a tensor modified before its copy is still
-    copied, ordered after the modifying work, but its unpack raises) and at unpack
-    while the original tensor is alive.
+    counter at unpack.  The layer state does it instead, for every tensor it hands
+    back, whether or not the user's tensor object is still alive: the version is
+    recorded at push and compared at unpack with the counter of the layer's own alias
+    (which shares the original's counter, as every view and ``detach()`` of it does).
+    When the layer drops its device tensors (release), each alias is replaced by a
+    *version keeper*: a tensor that shares the counter and holds no memory, so an
+    in-place change made afterwards through any surviving view or alias is still
+    seen.  A tensor modified before its copy starts is still copied, ordered after
+    the modifying work (its unpack raises); one modified while its copy runs gives a
+    torn host copy that is never handed back.
     Tensors the layer keeps on the device carry their version in their handle for the same
     check.  The error is autograd's, with the layer named.
 """
@@ -185,6 +191,23 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{tensor.type()} {list(tensor.shape)}"
 
 
+#: per device, the empty tensor whose (absent) memory version keepers point at
+_NO_MEMORY: dict[torch.device, torch.Tensor] = {}
+
+
+def _version_keeper(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``tensor``'s version counter and holds none of its memory
+    (NOTE [Version counter checks]): ``detach()`` shares the counter, and assigning
+    ``.data`` swaps the memory without touching the counter."""
+    keeper = tensor.detach()
+    device = tensor.device
+    empty = _NO_MEMORY.get(device)
+    if empty is None:
+        empty = _NO_MEMORY[device] = torch.empty(0, device=device)
+    keeper.data = empty
+    return keeper
+
+
 _NOT_WAITED = object()
 #: an empty list that is a tuple, and an empty dict that is read-only: see _reset_data
 _NONE_YET: list[Any] = cast(list, ())
@@ -317,6 +340,8 @@ class OffloadableLayerState:
         # (_new_lease): most layer states never have one, and an empty tuple costs
         # nothing to make (appending to one would raise, as writing to _NO_ENTRIES).
         self._pushed: list[torch.Tensor] = _NONE_YET  # device tensors as pushed, one per handle
+        # per pushed position once the device tensors are dropped: its version keeper
+        self._keepers: list[torch.Tensor] = _NONE_YET
         self._ready: list[Any] = _NONE_YET  # per pushed position: its ready event, or None
         self._versions: list[int] = _NONE_YET  # per pushed position: version at push
         self._originals: list[weakref.ref[torch.Tensor]] = _NONE_YET  # per pushed position
@@ -483,11 +508,10 @@ class OffloadableLayerState:
         if self.on_first_pop is not None:
             callback, self.on_first_pop = self.on_first_pop, None
             callback()
-        original = self._originals[index]()
-        if (original is not None and original._version != self._versions[index]) or (
-            self._modified and index in self._modified
-        ):
-            self._raise_modified(index, original)
+        pushed = self._pushed  # the aliases while held, else their version keepers
+        counter = pushed[index] if pushed else self._keepers[index]
+        if counter._version != self._versions[index]:
+            self._raise_modified(index, counter._version)
         state = self.state
         if state is not _RELOAD_STARTED:
             if state is not _OFFLOAD_FINISHED:  # not copied, or being copied
@@ -504,16 +528,19 @@ class OffloadableLayerState:
             backend.before_handoff(tensor, self.name)
         return tensor
 
-    def _raise_modified(self, index: int, original: torch.Tensor | None) -> None:
+    def _raise_modified(self, index: int, found: int) -> None:
         """Autograd's error for a saved tensor modified in place (NOTE [Version counter checks])."""
-        expected = self._versions[index]
-        found = self._modified.get(index)
-        where = "it was modified after it was saved by {} and before its copy to the host"
-        if found is None:  # seen through the original, which is alive
-            found = original._version if original is not None else expected
+        if index in self._modified:
+            where = "it was modified after it was saved by {} and before its copy to the host"
+        else:
             where = "it was saved by {} and modified after that"
-        desc = _describe(original) if original is not None else "a tensor"
-        raise _modified_error(desc, found, expected, where.format(self.name))
+        like = self._originals[index]()  # the user's tensor, else one of its shape
+        if like is None:
+            like = self._pushed[index] if self._pushed else None
+        if like is None and self._reloaded:
+            like = self._reloaded[index]
+        desc = _describe(like) if like is not None else "a tensor"
+        raise _modified_error(desc, found, self._versions[index], where.format(self.name))
 
     def _reload_on_demand(self) -> None:
         if not self._backward_done:  # a second backward reloads on demand by design
@@ -594,8 +621,23 @@ class OffloadableLayerState:
         """Drop the device copies once the offload has read them."""
         self._transition("release_activation_forward_gpu_memory")
         self._wait_for_copies()
-        self._pushed = []
+        self._drop_pushed()
         self._unique = []
+
+    def _drop_pushed(self) -> None:
+        """Drop the device tensors as pushed, keeping their version counters (NOTE
+        [Version counter checks]); a tensor pushed twice has one keeper."""
+        pushed = self._pushed
+        if pushed and not self._keepers:
+            made: dict[int, torch.Tensor] = {}
+            keepers = []
+            for tensor in pushed:
+                keeper = made.get(id(tensor))
+                if keeper is None:
+                    keeper = made[id(tensor)] = _version_keeper(tensor)
+                keepers.append(keeper)
+            self._keepers = keepers
+        self._pushed = []
 
     def start_reload(self) -> None:
         """Queue host-to-device copies on the offload stream, one event for the layer."""
@@ -644,7 +686,8 @@ class OffloadableLayerState:
         if self.state is _NOT_OFFLOADED:
             return  # never copied: the device tensors live as long as the graph
         self._wait_for_copies()
-        self._pushed, self._reloaded, self._unique = [], [], []
+        self._drop_pushed()
+        self._reloaded, self._unique = [], []
         self._backward_done = True
         self.state = _OFFLOAD_FINISHED
 

@@ -12,12 +12,22 @@ NOTE [Strict stream simulation]
     Hazards (raised at once as :class:`StreamHazardError`):
       * a side-stream copy reads a tensor written by compute work the stream never
         waited for (a missing ready event);
-      * a queued copy's source was freed or modified, or its destination freed,
-        before the copy ran;
+      * a queued copy's source was freed, or its destination freed, before the copy
+        ran;
       * compute reads a tensor a queued copy is still writing, or writes one a
-        queued copy still reads or writes (this covers handing a reloaded tensor
-        back to autograd too early);
-      * a copy is issued into a buffer that a queued copy still reads or writes.
+        queued copy still writes (this covers handing a reloaded tensor back to
+        autograd too early);
+      * a copy is issued into a buffer that a queued copy still reads or writes;
+      * a tensor handed back to autograd holds torn data (below).
+
+NOTE [Torn copies]
+    Compute may write a tensor that a queued copy still reads: a saved tensor modified
+    in place after its offload started.  On a device the copy then reads a mix of old
+    and new values.  That is no hazard by itself: autograd's version check makes the
+    unpack of such a tensor raise, so its copy is never used.  The simulator marks the
+    copy's destination torn (``counters.torn_copies``) and every copy made from torn
+    data torn as well; a torn tensor handed back to autograd is the hazard, and a clean
+    copy into a buffer makes it whole again.
 """
 
 from __future__ import annotations
@@ -61,6 +71,8 @@ class StreamCounters:
         synchronizations: ``synchronize`` calls.
         handoffs: tensors handed back to autograd after a reload.
         hazards: hazards detected.
+        torn_copies: copies whose source compute wrote while they were queued (see
+            NOTE [Torn copies]).
     """
 
     copies_queued: int = 0
@@ -70,6 +82,7 @@ class StreamCounters:
     synchronizations: int = 0
     handoffs: int = 0
     hazards: int = 0
+    torn_copies: int = 0
 
 
 def _describe(tensor: torch.Tensor | None, label: str, shape: Any = None, dtype: Any = None) -> str:
@@ -146,6 +159,7 @@ class _Copy:
         self.src, self.dst = _End(src), _End(dst)
         self.shape, self.dtype, self.label = tuple(src.shape), src.dtype, label
         self.done = False
+        self.torn = False  # compute wrote the source while the copy was queued
 
     def describe(self) -> str:
         return _describe(None, self.label, self.shape, self.dtype)
@@ -172,11 +186,13 @@ class _Copy:
                 f"the destination of a queued copy, {self.describe()}, was freed before the "
                 "copy ran: a tensor was dropped while a copy into it was in flight."
             )
-        if self.src.modified():
-            sim.hazard(
-                f"the source of a queued copy, {self.describe()}, was modified in place "
-                "before the copy ran."
-            )
+        # A source modified in place while queued: NOTE [Torn copies].
+        torn = self.torn or self.src.modified() or self.src.key in sim.torn
+        if torn:
+            sim.counters.torn_copies += 1
+            sim.torn.add(self.dst.key)
+        else:
+            sim.torn.discard(self.dst.key)
         with sim.suspended():
             dst.copy_(src)
         sim.counters.copies_run += 1
@@ -289,6 +305,10 @@ class _ComputeWatch(TorchDispatchMode):
                 key = _storage_key(tensor)
                 if key is not None:
                     sim.last_write[key] = sim.compute_seq
+        if sim.torn:  # a new output at a torn address is new memory (NOTE [Torn copies])
+            for tensor in flat_out:
+                if isinstance(tensor, torch.Tensor) and not any(tensor is w for w in written_args):
+                    sim.torn.discard(_storage_key(tensor))
         return out
 
 
@@ -320,6 +340,7 @@ class SimulatedBackend(DeviceBackend):
         self.last_write: dict[int, int] = {}
         self.pending_reads: Counter[int] = Counter()
         self.pending_writes: Counter[int] = Counter()
+        self.torn: set[int | None] = set()  # storages holding torn data (NOTE [Torn copies])
         self.suspend_depth = 0
         #: the stream ops run on; only a simulated runtime's ``stream(s)`` changes it
         self.current: SimulatedStream = self.compute
@@ -359,10 +380,10 @@ class SimulatedBackend(DeviceBackend):
                 "queued copy into it had not run: a wait for the copy's event is missing."
             )
         if write and self.pending_reads[key] > 0:
-            self.hazard(
-                f"compute wrote {_describe(tensor, '')} while a queued copy still reads it: "
-                "the copy would see the new values."
-            )
+            for stream in self.streams:  # NOTE [Torn copies]
+                for item in stream.queue[stream.executed :]:
+                    if isinstance(item, _Copy) and item.src.key == key:
+                        item.torn = True
 
     def run_on_side_stream(self, func: Any, args: Any, kwargs: Any) -> Any:
         """An op issued while a side stream is current: copies are queued there."""
@@ -454,6 +475,13 @@ class SimulatedBackend(DeviceBackend):
             self.hazard(
                 f"{_describe(tensor, label)} was handed back to autograd while the copy "
                 "that reloads it was still queued (a missing wait on its reload event)."
+            )
+        if key in self.torn:
+            self.hazard(
+                f"{_describe(tensor, label)} was handed back to autograd holding torn data: "
+                "a copy it came from read its source while compute was writing it (the "
+                "tensor was modified in place after its offload started, and the unpack "
+                "did not refuse it)."
             )
 
     def synchronize(self) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import get_cpu_offload_context, offload_layers
+from cpu_offload.chunked import ChunkedOffload
 from cpu_offload.integrations.torchtune import OffloadActivations
 
 pytestmark = pytest.mark.usefixtures("streams")
@@ -115,6 +116,39 @@ def inplace_after_copy(off: Offload) -> list[torch.Tensor]:
             if index == 2:
                 saved.mul_(2)  # saved by layer 0 and copied out when layer 1 entered
         h = sync_fn(out) if sync_fn is not None else out
+    h.sum().backward()
+    return [x.grad]
+
+
+def inplace_after_copy_then_dropped(off: Offload) -> list[torch.Tensor]:
+    """Layer 1 modifies layer 0's saved output in place after its copy started, then
+    drops it: only the layer's own alias of it is left to tell."""
+
+    def modify_input(h: torch.Tensor) -> torch.Tensor:
+        out = h * 3.0  # saves nothing of h
+        h.add_(1)  # saved by layer 0 (exp saves its output), copied when layer 1 entered
+        return out
+
+    x = leaf(8, 4)
+    chain([torch.exp, modify_input, torch.sin], x * 1.0, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def inplace_through_a_detached_alias_then_dropped(off: Offload) -> list[torch.Tensor]:
+    """A detached alias (same version counter) modifies a saved tensor after its layer
+    was released, its own object gone."""
+    ctx, sync_fn = off.context()
+    x = leaf(8, 4)
+    h = x * 1.0
+    alias = None
+    for index, fn in enumerate([torch.exp, torch.sin, torch.cos]):
+        with ctx if ctx is not None else contextlib.nullcontext():
+            out = fn(h)
+        h = sync_fn(out) if sync_fn is not None else out
+        if index == 0:
+            alias = h.detach()  # layer 0's saved output, without its object
+        del out
+    alias.add_(1)
     h.sum().backward()
     return [x.grad]
 
@@ -473,6 +507,29 @@ def byte_threshold(off: Offload) -> list[torch.Tensor]:
     return [wide.grad, narrow.grad]
 
 
+def whole_forward_inplace_then_dropped(chunk_bytes: int) -> Callable[[Offload], list]:
+    """A whole forward: a saved tensor modified in place, then dropped, in a chunk that
+    was copied and released (``chunk_bytes=1``) or in the last chunk, which stays."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        ctx: Any = contextlib.nullcontext()
+        if off.k is not None:
+            ctx = ChunkedOffload(chunk_bytes=chunk_bytes)
+            off.handles.append(ctx)
+        x = leaf(16, 32)
+        with ctx:
+            a = x * 2
+            b = a.sin()  # saves a
+            c = b.cos()  # saves b: a's chunk closes and its copy starts
+            a.add_(1)
+            del a
+            d = c.exp()  # saves its output: a's chunk is released
+        d.sum().backward()
+        return [x.grad]
+
+    return program
+
+
 def whole_forward_in_chunks(inplace: bool) -> Callable[[Offload], list]:
     """OffloadActivations around a whole forward (no layers), a chunk per tensor."""
 
@@ -542,6 +599,10 @@ PROGRAMS = {
         inplace_between_layers_before_copy, match=MODIFIED
     ),
     "in-place after the copy": Row(inplace_after_copy, match=MODIFIED),
+    "in-place after the copy, then dropped": Row(inplace_after_copy_then_dropped, match=MODIFIED),
+    "in-place through a detached alias, then dropped": Row(
+        inplace_through_a_detached_alias_then_dropped, match=MODIFIED
+    ),
     "in-place on a kept tensor": Row(inplace_on_a_kept_tensor, match=MODIFIED),
     "conj view": Row(conj_view),
     "real and imag views": Row(real_and_imag_views),
@@ -575,6 +636,12 @@ PROGRAMS = {
     "min_offload_bytes": Row(byte_threshold),
     "OffloadActivations around a whole forward": Row(whole_forward_in_chunks(False)),
     "OffloadActivations, in-place after save": Row(whole_forward_in_chunks(True), match=MODIFIED),
+    "whole forward, in-place then dropped, copied chunk": Row(
+        whole_forward_inplace_then_dropped(1), match=MODIFIED
+    ),
+    "whole forward, in-place then dropped, last chunk": Row(
+        whole_forward_inplace_then_dropped(2**40), moves=False, match=MODIFIED
+    ),
     "policy: keep, offload, checkpoint, checkpoint+offload": Row(per_layer_policy(False)),
     "policy, a checkpoint's input modified in place": Row(per_layer_policy(True), match=MODIFIED),
 }

@@ -66,6 +66,43 @@ def test_hazard_copy_before_ready_event(monkeypatch):
             train(layers, offloaded=2)
 
 
+def _modify_after_copy_started(ctx, sync_fn):
+    """Layer 1 modifies layer 0's saved output while its copy is queued, then drops it."""
+    x = torch.randn(8, 4, requires_grad=True)
+    with ctx:
+        h = x.exp()  # saves its output
+    h = sync_fn(h)
+    with ctx:  # layer 0's copy is queued as layer 1 enters
+        out = h * 3.0
+        h.add_(1)
+    del h
+    out = sync_fn(out)
+    with ctx:
+        out = out.sin()
+    return sync_fn(out)
+
+
+def test_a_torn_copy_is_no_hazard_when_the_unpack_refuses_it():
+    """NOTE [Torn copies]: compute writing a queued copy's source tears the copy; the
+    version check refuses the tensor, so nothing torn reaches autograd."""
+    with strict_streams() as sim:
+        ctx, sync_fn = get_cpu_offload_context(True, 1, 3, min_offload_numel=0)
+        out = _modify_after_copy_started(ctx, sync_fn)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    assert sim.counters.torn_copies > 0 and sim.counters.hazards == 0
+
+
+def test_hazard_torn_copy_handed_back(monkeypatch):
+    """Planted bug: the unpack skips the version check and hands back the torn copy."""
+    monkeypatch.setattr(OffloadableLayerState, "_raise_modified", lambda self, *args: None)
+    with strict_streams():
+        ctx, sync_fn = get_cpu_offload_context(True, 1, 3, min_offload_numel=0)
+        out = _modify_after_copy_started(ctx, sync_fn)
+        with pytest.raises(StreamHazardError, match="holding torn data"):
+            out.sum().backward()
+
+
 def test_hazard_retained_buffer_shared_by_passes_in_flight(monkeypatch):
     """A pool that hands a layer's retained buffers to a second pass in flight."""
     original_acquire = HostBufferPool.acquire
