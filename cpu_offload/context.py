@@ -244,6 +244,7 @@ class OffloadContext:
                     synchronizer.fwd_step()
                     synchronizer.fwd_end()
             layer, forward_pass = synchronizer.forward_step()
+            forward_pass.layer_open = True
             frame.last_pass = forward_pass.weak
             frame.unattached_pass = forward_pass
             frame.last_layer = layer
@@ -270,6 +271,9 @@ class OffloadContext:
         if frame.hooks is not None:
             _pop_hooks()
             frame.hooks = None
+        last_pass = frame.last_pass() if frame.last_pass is not None else None
+        if last_pass is not None:
+            last_pass.layer_open = False
         if exc_type is not None:
             # The next forward starts a fresh pass; the partial graph keeps what it
             # saved, so a backward through it computes what it would without offload,

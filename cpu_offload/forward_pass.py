@@ -62,6 +62,8 @@ class ForwardPass:
         self.hooked_layers: list[int] = []
         self._last_output: StorageWeakRef | None = None
         self._token: weakref.ref[_GraphToken] | None = None
+        #: a layer of the pass is inside the offload context now (entered, not left)
+        self.layer_open = False
 
     def state(self, layer: int) -> OffloadableLayerState:
         """The state of ``layer``, made when first asked for: a layer that is not
@@ -98,10 +100,16 @@ class ForwardPass:
 
     def abandoned(self) -> bool:
         """Whether nobody can continue this forward: the latest layer's output is gone,
-        and so is every node of its graph that a backward hook sits on."""
-        if self._last_output is None or not self._last_output.expired():
+        and so is every node of its graph that a backward hook sits on; or, before any
+        layer handed an output on, the layer left inside the context (a forward
+        interrupted in its first layer) holds nothing any more."""
+        if self._token is not None and self._token() is not None:
             return False
-        return self._token is None or self._token() is None
+        if self._last_output is not None:
+            return self._last_output.expired()
+        return self.layer_open and not any(
+            state is not None and state.holds_data() for state in self._states
+        )
 
     @property
     def forward_done(self) -> bool:

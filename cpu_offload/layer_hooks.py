@@ -6,6 +6,7 @@ import dataclasses
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any
@@ -166,31 +167,37 @@ class _LayerHook:
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 
-def _module_call_frame() -> FrameType | None:
-    """The frame of the module call that runs the calling forward pre-hook: it lives
-    exactly as long as that module's forward runs."""
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(8):
-        if frame is None or frame.f_code is _CALL_IMPL:
-            return frame
+def _running(module: nn.Module | None) -> bool:
+    """Whether a call of ``module`` encloses the module call now running its pre-hook
+    in this thread: a module call's frame (``nn.Module._call_impl``) for it is on the
+    stack above the innermost one.  A layer called some other way (a compiled caller)
+    is never found: the context it left entered is then left.
+
+    NOTE [Interrupted layer calls]
+        A ``KeyboardInterrupt`` (or another ``BaseException``) inside a layer skips its
+        forward hooks, so the context stays entered; the next layer call, or
+        ``remove()``, leaves it once it knows the interrupted call is no longer running.
+        That is asked of the stack only then, so the handle keeps nothing of the call:
+        holding its frame would hold the layer's input, and with it the failed step's
+        whole graph, its host buffers and its pass.
+    """
+    if module is None:
+        return False
+    frame: FrameType | None = sys._getframe(1)
+    innermost = True  # the call whose pre-hook asks (it may call ``module`` again)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            if not innermost and frame.f_locals.get("self") is module:
+                return True
+            innermost = False
         frame = frame.f_back
-    return None  # called some other way (a compiled caller): no frame to tell by
-
-
-def _on_stack(frame: FrameType) -> bool:
-    """Whether ``frame`` is running in this thread (an enclosing call of ours)."""
-    current: FrameType | None = sys._getframe(1)
-    while current is not None:
-        if current is frame:
-            return True
-        current = current.f_back
     return False
 
 
 class _LayerCall(threading.local):
-    """Per thread: the frame of the module call whose forward is inside the context."""
+    """Per thread: the module (weakly) whose forward is inside the context."""
 
-    frame: FrameType | None = None
+    module: weakref.ref[nn.Module] | None = None
 
 
 class OffloadLayersHandle:
@@ -234,7 +241,7 @@ class OffloadLayersHandle:
     def _leave_interrupted(self) -> None:
         """Leave the context that a forward stopped by a ``BaseException`` left entered
         (forward hooks with ``always_call`` run on ``Exception`` only)."""
-        self._call.frame = None
+        self._call.module = None
         if not self.context.leave_interrupted():
             raise CpuOffloadError(
                 "cpu_offload: a forward of an offloaded layer was interrupted (a "
@@ -243,13 +250,14 @@ class OffloadLayersHandle:
                 "cannot be removed. Leave those hooks' context first."
             )
 
-    def _enter_call(self) -> None:
+    def _enter_call(self, module: nn.Module) -> None:
         """Note the module call now entering the context; first leave a context that an
-        interrupted forward left entered (a call that is not running any more)."""
+        interrupted forward left entered (a call that is not running any more: NOTE
+        [Interrupted layer calls])."""
         call = self._call
-        if self.context.active and (call.frame is None or not _on_stack(call.frame)):
+        if self.context.active and not _running(call.module() if call.module else None):
             self._leave_interrupted()
-        call.frame = _module_call_frame()
+        call.module = weakref.ref(module)
 
     def _stop_watching(self) -> None:
         for hook in self._watchers:
@@ -418,7 +426,7 @@ def offload_layers(
         if expected >= len(layers):
             expected = 0
         mine = positions[id(module)]
-        handle._enter_call()
+        handle._enter_call(module)
         if expected in mine:
             context.enter_layer()
         elif mine[0] > expected:
@@ -431,7 +439,7 @@ def offload_layers(
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         if not context.active:
             return
-        handle._call.frame = None
+        handle._call.module = None
         exc_type, exc, traceback = sys.exc_info()
         if exc_type is not None:  # forward raised; always_call hooks run in its except
             context.__exit__(exc_type, exc, traceback)

@@ -727,6 +727,13 @@ class OffloadableLayerState:
 
     # -------------------------------------------------------------- queries
 
+    def holds_data(self) -> bool:
+        """Whether a push cycle's data is alive: handles autograd may still unpack, or
+        tensors pushed by hand."""
+        return self._held_lease is not None or (
+            self._lease is not None and self._lease() is not None
+        )
+
     def holds_storage(self, cdata: int) -> bool:
         """Whether a tensor pushed to be offloaded, not yet copied, lives in the storage
         ``cdata`` (a ``StorageWeakRef``'s)."""

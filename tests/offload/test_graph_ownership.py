@@ -91,6 +91,34 @@ def test_offload_layers_exception_inside_a_layer_frees_everything(where):
         hook.remove()
 
 
+@pytest.mark.parametrize("where", [0, 1, 3], ids=lambda w: f"interrupt-in-layer{w}")
+def test_offload_layers_keyboard_interrupt_inside_a_layer_frees_everything(where):
+    """A KeyboardInterrupt inside a layer (forward hooks do not run on it, so the context
+    stays entered): the failed step's memory goes with its graph, before the next forward."""
+    layers = make_layers()
+    handle = offload_layers(layers, K, min_offload_numel=0)
+    synchronizer = handle.offload_synchronizer
+    outputs, hooks = outputs_of(layers)
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    inner = layers[where][1].register_forward_hook(interrupt)  # after the layer saved
+    x = torch.randn(8, 16, requires_grad=True)
+    h = x
+    try:
+        for layer in layers:
+            h = layer(h)
+    except KeyboardInterrupt:
+        pass
+    del h
+    assert_nothing_held(synchronizer, outputs)
+    inner.remove()
+    for hook in hooks:
+        hook.remove()
+    handle.remove()
+
+
 @pytest.mark.parametrize("inside", [True, False], ids=["inside-ctx", "between-layers"])
 def test_context_exception_mid_forward_frees_everything(inside):
     layers = make_layers()
