@@ -229,12 +229,14 @@ class HostBufferPool:
             block = self._take_free(size)
         else:
             size = size_class(nbytes)
+            if self.max_bytes is not None and size > self.max_bytes:
+                return None  # it can never fit: evicting free blocks would not help
             # (in retain mode nothing is free to evict)
             self._evict_for(size, 2 * self._peak_requested)
             if self.max_bytes is not None:
+                if self._in_use + size > self.max_bytes:
+                    return None  # evicting every free block would not make room
                 self._evict_for(size, self.max_bytes)
-                if self._reserved + size > self.max_bytes:
-                    return None
             block = _Block(self._backend.empty_host_bytes(size))
             self._reserved += size
             self._num_alloc += 1

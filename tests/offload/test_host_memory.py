@@ -212,3 +212,44 @@ def test_free_blocks_are_kept_per_size_class_so_lending_is_o1_in_blocks():
     assert pool._free_sizes == [4096] and len(pool._free[4096]) == 1999
     pool.release(0, again)
     assert pool.stats()["num_host_alloc"] == 2000
+
+
+@pytest.mark.parametrize(
+    "widths, cap",
+    [
+        ([64, 256, 32, 256, 32, 64], 3 * MIN_BLOCK_BYTES),
+        ([128, 16, 16, 32, 32], MIN_BLOCK_BYTES),
+        ([32, 64, 128, 16, 16], 3 * MIN_BLOCK_BYTES),
+        ([256, 256, 32, 64, 128], 7 * MIN_BLOCK_BYTES),
+    ],
+    ids=["wide-narrow", "first-too-large", "eviction-no-room", "mixed"],
+)
+def test_max_host_bytes_with_fixed_shapes_allocates_nothing_after_the_first_step(widths, cap):
+    """Under the cap, a tensor that cannot fit (its block is over the cap, or evicting
+    every free block would not make room) is refused without freeing blocks that later
+    tensors of the step reuse: with fixed shapes the pool stops allocating."""
+    torch.manual_seed(0)
+    layers = [
+        torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.GELU())
+        for a, b in zip(widths, widths[1:])
+    ]
+    count = len(layers)
+    with pytest.warns(UserWarning, match="max_host_bytes"):
+        ctx, sync_fn = get_cpu_offload_context(
+            True, count - 1, count, min_offload_numel=0, max_host_bytes=cap
+        )
+        allocations = []
+        for _ in range(5):
+            forward(layers, torch.randn(16, widths[0]), ctx, sync_fn).sum().backward()
+            allocations.append(ctx.offload_synchronizer.host_memory_stats()["num_host_alloc"])
+    assert allocations[0] > 0 and allocations == [allocations[0]] * 5, allocations
+
+
+def test_a_tensor_whose_block_exceeds_max_host_bytes_evicts_nothing():
+    pool = HostBufferPool(HostBackend(), retain=False, max_bytes=2 * MIN_BLOCK_BYTES)
+    small = torch.empty(MIN_BLOCK_BYTES // 4)  # fp32: one block
+    pool.release(0, pool.acquire(0, [small]))
+    assert pool.stats()["reserved_bytes"] == MIN_BLOCK_BYTES  # free, cached
+    with pytest.warns(UserWarning, match="max_host_bytes"):
+        assert pool.acquire(1, [torch.empty(MIN_BLOCK_BYTES)]) == [None]  # a 16 KiB block
+    assert pool.stats()["reserved_bytes"] == MIN_BLOCK_BYTES and pool.stats()["num_host_free"] == 0
