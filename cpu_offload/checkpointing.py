@@ -35,6 +35,19 @@ __all__ = ["CACHE_ARGUMENTS", "CheckpointedForward", "Checkpointing", "checkpoin
 #: where a Hugging Face layer takes its cache (transformers 5, 4, and older GPT-2 names)
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
+# NOTE [Checkpoint inside the offload context]
+# Non-reentrant checkpointing saves the tensors its function receives (through the
+# saved-tensor hooks active when it starts) and pushes its own hooks for everything the
+# function saves, which it drops and recomputes in backward.  offload_layers enters the
+# offload context in the layer's forward pre-hook, before ``forward`` runs, and the
+# checkpoint is inside ``forward``: the checkpoint's inputs are the only tensors of the
+# layer the offloader sees.  Recomputation calls the original forward, not the module,
+# so it runs no offload hooks, and what it saves goes to the checkpoint's hooks.  The
+# layer's keyword arguments are bound to the forward it checkpoints (a partial), not
+# passed through the checkpoint's own keywords and not saved: a Hugging Face layer's
+# ``position_embeddings`` (shared by every layer) are not copied once per layer, and
+# only positional tensors (the hidden states) are offloaded.
+
 # NOTE [A cache under a checkpointed layer]
 # A Hugging Face decoder layer given a cache appends its keys and values to it.  Under a
 # checkpoint the layer runs twice, once in forward and once in backward, and the
@@ -143,7 +156,7 @@ class CheckpointedForward:
             request.cache_dropped(module, dropped)
         # The layer's keyword arguments are bound here, not passed through checkpoint's
         # own keywords (debug, use_reentrant, ...): NOTE [Checkpoint inside the offload
-        # context] in policy.py.
+        # context].
         return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
 
     def _without_cache(

@@ -5,7 +5,9 @@ a memory budget.  A checkpointed layer runs its forward under non-reentrant
 ``torch.utils.checkpoint`` and recomputes it in backward: only its inputs stay saved.
 Those inputs are saved through the saved-tensor hooks that are active when the
 checkpoint starts, so a layer entered in the offload context *before* its checkpoint
-offloads them (``checkpoint+offload``).  NOTE [Checkpoint inside the offload context]
+offloads them (``checkpoint+offload``): NOTE [Checkpoint inside the offload context] in
+checkpointing.py, which holds the wrapper.  :func:`checkpoint_hazards` says which layers a
+recompute would change, and which automatic choices must not checkpoint.
 """
 
 from __future__ import annotations
@@ -37,19 +39,6 @@ KEEP, OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD = (
 POLICY_CHOICES = (KEEP, OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD)
 OFFLOADED = (OFFLOAD, CHECKPOINT_OFFLOAD)
 CHECKPOINTED = (CHECKPOINT, CHECKPOINT_OFFLOAD)
-
-# NOTE [Checkpoint inside the offload context]
-# Non-reentrant checkpointing saves the tensors its function receives (through the
-# saved-tensor hooks active when it starts) and pushes its own hooks for everything the
-# function saves, which it drops and recomputes in backward.  offload_layers enters the
-# offload context in the layer's forward pre-hook, before ``forward`` runs, and the
-# checkpoint is inside ``forward``: the checkpoint's inputs are the only tensors of the
-# layer the offloader sees.  Recomputation calls the original forward, not the module,
-# so it runs no offload hooks, and what it saves goes to the checkpoint's hooks.  The
-# layer's keyword arguments are bound to the forward it checkpoints (a partial), not
-# passed through the checkpoint's own keywords and not saved: a Hugging Face layer's
-# ``position_embeddings`` (shared by every layer) are not copied once per layer, and
-# only positional tensors (the hidden states) are offloaded.  (checkpointing.py)
 
 
 def check_policy(policy: object, num_layers: int, owner: str) -> list[str]:

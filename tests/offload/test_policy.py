@@ -123,6 +123,35 @@ def test_a_wrapper_set_over_ours_keeps_working_after_remove():
     assert ours(model[0]) == ["forward"]  # the other wrapper only
 
 
+class Doubled:
+    """Someone else's forward wrapper, as an instance attribute."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.load"])
+def test_wrappers_of_others_around_ours_are_copied_without_ours(how):
+    model = blocks()
+    model[1].forward = Doubled(model[1].forward)  # before ours: ours shadows it
+    handle = offload_layers(model, policy=["checkpoint", "checkpoint", "keep"])
+    model[0].forward = Doubled(model[0].forward)  # after ours: it holds ours
+    twin = copy_of(model, how)
+    x = torch.randn(2, 8)
+    for index in (0, 1):
+        forward = twin[index].__dict__["forward"]
+        assert isinstance(forward, Doubled) and not isinstance(forward.inner, CheckpointedForward)
+        assert forward.inner.__self__ is twin[index]  # the copy's own class forward
+        assert torch.equal(twin[index](x), model[index](x))
+    assert "__getstate__" not in twin[1].__dict__
+    handle.remove()
+    assert isinstance(model[1].__dict__["forward"], Doubled)  # given back
+    assert ours(model[1]) == ["forward"]
+
+
 # ------------------------------------------------------------------ what the layer gets
 
 
