@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpointing import checkpoint_forward
 from .context import (
     OffloadContext,
     _checkpoint_forward_active,
@@ -22,7 +23,7 @@ from .context import (
     mark_not_offload,
 )
 from .errors import CpuOffloadError
-from .policy import OFFLOADED, CheckpointedForward, check_policy, checkpointed_modules
+from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
 
 __all__ = ["LAYER_PATHS", "OffloadLayersHandle", "find_layers", "offload_layers"]
 
@@ -377,7 +378,20 @@ def offload_layers(
             "offload_layers: pass either num_offloaded_layers (k) or policy=[...], "
             f"{'not both' if policy is not None else 'got neither'}."
         )
+    if not layers:
+        raise ValueError(
+            f"offload_layers: {owner} holds no layers, so there is nothing to offload; pass "
+            "the model's decoder layers (a non-empty list or ModuleList)."
+        )
+    if "offloaded_layers" in options:
+        chooser = "policy=[...]" if policy is not None else f"k={num_offloaded_layers!r}"
+        raise TypeError(
+            f"offload_layers: offloaded_layers= and {chooser} both choose the layers to "
+            "offload; pass one: policy=[...] with 'offload' (or 'checkpoint+offload') at "
+            "the layers to offload, and 'keep' elsewhere."
+        )
     checkpointed: list[nn.Module] = []
+    chosen: list[str] = []
     if policy is not None:
         if manual:
             raise ValueError(
@@ -458,7 +472,13 @@ def offload_layers(
         handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
         handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
     # Inside the hooks: see NOTE [Checkpoint inside the offload context]
-    handle._hooks.extend(CheckpointedForward(m, lambda: handle.enabled) for m in checkpointed)
+    warned: set[str] = set()  # once per handle
+    handle._hooks.extend(
+        checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned)
+        for m in checkpointed
+    )
+    if checkpointed:
+        warn_checkpoint_hazards(layers, chosen)
     if count > 0:
         handle._watch_for_missed_forwards(unique)
     return handle

@@ -5,21 +5,29 @@ a memory budget.  A checkpointed layer runs its forward under non-reentrant
 ``torch.utils.checkpoint`` and recomputes it in backward: only its inputs stay saved.
 Those inputs are saved through the saved-tensor hooks that are active when the
 checkpoint starts, so a layer entered in the offload context *before* its checkpoint
-offloads them (``checkpoint+offload``).  NOTE [Checkpoint inside the offload context]
+offloads them (``checkpoint+offload``): NOTE [Checkpoint inside the offload context] in
+checkpointing.py, which holds the wrapper.  :func:`checkpoint_hazards` says which layers a
+recompute would change, and which automatic choices must not checkpoint.
 """
 
 from __future__ import annotations
 
-import copy
-import types
-from collections.abc import Callable, Sequence
-from typing import Any
+import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["CHECKPOINT", "CHECKPOINT_OFFLOAD", "KEEP", "OFFLOAD", "POLICY_CHOICES", "check_policy"]
+__all__ = [
+    "CHECKPOINT",
+    "CHECKPOINT_OFFLOAD",
+    "KEEP",
+    "OFFLOAD",
+    "POLICY_CHOICES",
+    "check_policy",
+    "checkpoint_hazards",
+]
 
 KEEP, OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD = (
     "keep",
@@ -31,18 +39,6 @@ KEEP, OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD = (
 POLICY_CHOICES = (KEEP, OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD)
 OFFLOADED = (OFFLOAD, CHECKPOINT_OFFLOAD)
 CHECKPOINTED = (CHECKPOINT, CHECKPOINT_OFFLOAD)
-
-# NOTE [Checkpoint inside the offload context]
-# Non-reentrant checkpointing saves the tensors its function receives (through the
-# saved-tensor hooks active when it starts) and pushes its own hooks for everything the
-# function saves, which it drops and recomputes in backward.  offload_layers enters the
-# offload context in the layer's forward pre-hook, before ``forward`` runs, and the
-# checkpoint is inside ``forward``: the checkpoint's inputs are the only tensors of the
-# layer the offloader sees.  Recomputation calls the original forward, not the module,
-# so it runs no offload hooks, and what it saves goes to the checkpoint's hooks.  The
-# layer's keyword arguments are held by the checkpoint's closure, not saved: a Hugging
-# Face layer's ``position_embeddings`` (shared by every layer) are not copied once per
-# layer, and only positional tensors (the hidden states) are offloaded.
 
 
 def check_policy(policy: object, num_layers: int, owner: str) -> list[str]:
@@ -65,7 +61,7 @@ def check_policy(policy: object, num_layers: int, owner: str) -> list[str]:
                 f"offload_layers: policy[{index}] is {choice!r}; expected one of "
                 f"{', '.join(POLICY_CHOICES)}."
             )
-    if policy[-1] in OFFLOADED:
+    if policy and policy[-1] in OFFLOADED:
         raise ValueError(
             f"offload_layers: policy[{num_layers - 1}] is {policy[-1]!r}, but the last layer "
             "is never offloaded (its backward runs first: no compute to hide the copy "
@@ -85,52 +81,6 @@ def policy_runs(policy: Sequence[str]) -> list[tuple[int, int, str]]:
     return runs
 
 
-class CheckpointedForward:
-    """Runs a module's forward under non-reentrant activation checkpointing (as an
-    instance attribute that shadows the class's ``forward``) until :meth:`remove`."""
-
-    def __init__(self, module: nn.Module, enabled: Callable[[], bool] = lambda: True) -> None:
-        self.module = module
-        self.enabled = enabled  # while it says False, the forward runs as it is
-        self.shadowed = module.__dict__.get("forward")  # another wrapper's, if any
-        self.forward: Callable[..., Any] = module.forward
-        module.forward = self  # type: ignore[method-assign]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or not self.enabled():
-            return self.forward(*args, **kwargs)
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-
-    def remove(self) -> None:
-        """Give the module its forward back (unless something wrapped ours since)."""
-        if self.module.__dict__.get("forward") is not self:
-            return
-        if self.shadowed is None:
-            del self.module.forward
-        else:
-            self.module.forward = self.shadowed  # type: ignore[method-assign]
-
-    # A copy of the model carries no offloading, as the hooks (layer_hooks._LayerHook):
-    # its forward is the class's, or the copied wrapper that ours shadowed.
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        if self.shadowed is not None:
-            return copy.deepcopy(self.shadowed, memo)
-        return _class_forward(memo.get(id(self.module), self.module))
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        if self.shadowed is not None:
-            return _same, (self.shadowed,)
-        return _class_forward, (self.module,)
-
-
-def _class_forward(module: nn.Module) -> Any:
-    return types.MethodType(type(module).forward, module)
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
 def checkpointed_modules(
     layers: Sequence[nn.Module], policy: Sequence[str], owner: str
 ) -> list[nn.Module]:
@@ -148,3 +98,86 @@ def checkpointed_modules(
             )
     unique = {id(layer): layer for layer in layers}
     return [unique[key] for key, wanted in chosen.items() if wanted]
+
+
+def checkpoint_hazards(module: nn.Module) -> list[str]:
+    """Why recomputing ``module``'s forward in backward changes training: one sentence
+    per cause found, empty when none is.
+
+    ``torch.utils.checkpoint`` runs a checkpointed layer's forward twice.  It restores the
+    default random generators for the recompute (dropout draws the same masks), but not
+    the rest of what a forward changes:
+
+    - a normalization layer that tracks running statistics (``BatchNorm``,
+      ``SyncBatchNorm``, ``InstanceNorm(track_running_stats=True)``) updates them again
+      in training mode;
+    - a module that draws from a ``torch.Generator`` of its own (an attribute) draws other
+      numbers in the recompute than in the forward.
+
+    ``offload_layers(policy=...)`` warns when it checkpoints such a layer, and the planner
+    (:func:`cpu_offload.plan.measure_layer` records them) does not choose checkpointing
+    for it.  Side effects found elsewhere (a generator in a closure, a counter) are not
+    seen.
+
+    Example:
+        >>> import torch
+        >>> from cpu_offload.policy import checkpoint_hazards
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+        >>> checkpoint_hazards(block)  # doctest: +NORMALIZE_WHITESPACE
+        ['1 (BatchNorm1d) updates its running statistics in training mode, and again in
+        the recompute (eval() or track_running_stats=False avoid it)']
+        >>> checkpoint_hazards(torch.nn.Linear(8, 8))
+        []
+    """
+    hazards = []
+    for name, sub in module.named_modules():
+        where = f"{name or 'the layer'} ({type(sub).__name__})"
+        if isinstance(sub, _NormBase) and sub.track_running_stats:
+            hazards.append(
+                f"{where} updates its running statistics in training mode, and again in "
+                "the recompute (eval() or track_running_stats=False avoid it)"
+            )
+        for attribute in _generators(sub):
+            hazards.append(
+                f"{where} draws from its own torch.Generator ({attribute}), which "
+                "checkpointing does not restore: the recompute draws other numbers (draw "
+                "from the default generator, which it restores)"
+            )
+    return hazards
+
+
+def _generators(module: nn.Module) -> list[str]:
+    """The attributes of ``module`` (or their items) that are ``torch.Generator`` s."""
+    found = []
+    for attribute, value in vars(module).items():
+        if isinstance(value, torch.Generator):
+            found.append(attribute)
+        elif isinstance(value, (list, tuple, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            found += [
+                f"{attribute}[{key!r}]" for key, item in items if isinstance(item, torch.Generator)
+            ]
+    return found
+
+
+def warn_checkpoint_hazards(layers: Sequence[nn.Module], policy: Sequence[str]) -> None:
+    """One warning naming every layer ``policy`` checkpoints whose recompute changes
+    training (:func:`checkpoint_hazards`), and what to do."""
+    seen: set[int] = set()
+    found = []
+    for position, (layer, choice) in enumerate(zip(layers, policy, strict=True)):
+        if choice in CHECKPOINTED and id(layer) not in seen:
+            seen.add(id(layer))
+            found += [
+                f"layer {position} ({type(layer).__name__}): {hazard}"
+                for hazard in checkpoint_hazards(layer)
+            ]
+    if found:
+        warnings.warn(
+            "cpu_offload: offload_layers checkpoints layers whose forward, run again in "
+            "backward, changes training: " + "; ".join(found) + f". Give these layers "
+            f"{KEEP!r} or {OFFLOAD!r} instead (the planner does not checkpoint them), or "
+            "remove the cause.",
+            UserWarning,
+            stacklevel=3,
+        )

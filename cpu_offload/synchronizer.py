@@ -48,7 +48,7 @@ def _check_limits(min_offload_bytes: object, max_host_bytes: object) -> None:
 
 
 def _check_model_layers(num_layers: object) -> None:
-    if not isinstance(num_layers, int) or num_layers < 1:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"cpu_offload: model_layers must be an int >= 1, got {num_layers!r}.")
 
 
@@ -109,7 +109,11 @@ class OffloadSynchronizer:
                 f"torch.cuda.Stream()), got {type(offload_stream).__name__} {offload_stream!r}. "
                 "Pass None to let the offloader create one."
             )
-        if not isinstance(min_offload_numel, int) or min_offload_numel < 0:
+        if (
+            isinstance(min_offload_numel, bool)
+            or not isinstance(min_offload_numel, int)
+            or min_offload_numel < 0
+        ):
             raise ValueError(
                 f"cpu_offload: min_offload_numel must be an int >= 0, got {min_offload_numel!r}."
             )
@@ -404,7 +408,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             chosen = _check_offloaded_layers(offloaded_layers, num_layers)
             num_offloaded_layers = len(chosen)
         if (
-            not isinstance(num_offloaded_layers, int)
+            isinstance(num_offloaded_layers, bool)
+            or not isinstance(num_offloaded_layers, int)
             or not 0 <= num_offloaded_layers <= num_layers - 1
         ):
             raise ValueError(

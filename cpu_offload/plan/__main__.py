@@ -134,6 +134,11 @@ def print_policy(choice: PolicyPlan) -> None:
     budget = budget_text(choice.memory_budget)
     if choice.fits:
         print(f"policy for {budget} (the fastest of {choice.candidates} that fits):")
+    elif choice.checkpoint_refused:
+        print(
+            f"policy for {budget}: NOTHING FITS without checkpointing (refused below); the "
+            f"closest of {choice.candidates} (smallest peak):"
+        )
     else:
         print(
             f"policy for {budget}: NOTHING FITS, not even checkpointing every layer and "
@@ -149,6 +154,8 @@ def print_policy(choice: PolicyPlan) -> None:
         f"{row.recompute_s * 1e3:.3f} ms recompute, {row.exposed_copy_s * 1e3:.3f} ms copies)"
     )
     print(f"  apply it: offload_layers(model, policy={choice.policy!r})")
+    for hazard in choice.checkpoint_refused:
+        print(f"  checkpointing refused: recomputing the layer changes training: {hazard}")
 
 
 def host_bytes_per_rank(row: PlanRow) -> int:
@@ -184,6 +191,7 @@ def policy_json(choice: PolicyPlan) -> dict[str, object]:
     return {
         "policy": choice.policy,
         "policy_fits": choice.fits,
+        "policy_checkpoint_refused": choice.checkpoint_refused,
         "policy_predicted": {
             "end_of_forward_bytes": row.end_of_forward_bytes,
             "peak_bytes": row.peak_bytes,

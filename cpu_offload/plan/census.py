@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..layer_hooks import _primary_tensor
+from ..policy import checkpoint_hazards
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, PARAMETER, kept_because
 from ..tensor_group import TensorGroup, TensorGroupProcessor
 
@@ -56,6 +57,9 @@ class LayerProfile:
             its positional tensor inputs (what non-reentrant checkpointing saves).
         input_offloaded_bytes, input_tensors_offloaded: what the offloader copies of
             those when the layer is checkpointed and offloaded.
+        checkpoint_hazards: why recomputing the layer would change training
+            (:func:`cpu_offload.policy.checkpoint_hazards`); the planner does not
+            checkpoint a layer that has any.
     """
 
     saved_bytes: int
@@ -71,6 +75,7 @@ class LayerProfile:
     input_bytes: int = 0
     input_offloaded_bytes: int = 0
     input_tensors_offloaded: int = 0
+    checkpoint_hazards: list[str] = field(default_factory=list)
     saved: list[tuple[tuple[int, ...], str, str]] = field(default_factory=list, repr=False)
 
 
@@ -216,6 +221,7 @@ def measure_layer(
         input_bytes=checkpointed["saved_bytes"],
         input_offloaded_bytes=checkpointed["offloaded_bytes"],
         input_tensors_offloaded=checkpointed["tensors_offloaded"],
+        checkpoint_hazards=checkpoint_hazards(layer),
     )
 
 

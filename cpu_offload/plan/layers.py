@@ -3,6 +3,7 @@ Korthikanti et al. 2022 (section 4.1), and a Hugging Face config's own decoder l
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import math
@@ -195,7 +196,11 @@ def hf_layer(
     ``config_source`` is a local ``config.json`` (or its folder), or a model name already
     in the local cache; nothing is downloaded.  ``attention="math"`` builds the model with
     ``attn_implementation="eager"``, ``"flash"`` with ``"sdpa"``.  The layer's inputs are
-    captured from a forward of the whole model on the meta device.
+    captured from a forward of the whole model on the meta device, with the config's
+    ``use_cache`` (True as transformers ships most configs): the layer is measured as it
+    runs in that model, appending to a cache when the model keeps one (a layer that
+    ``offload_layers(policy=...)`` checkpoints runs without it, and saves only its
+    inputs).
     """
     source, local = check_hf_config(config_source)
     if local is not None and importlib.util.find_spec("transformers") is None:
@@ -212,7 +217,6 @@ def hf_layer(
             f"Hugging Face cache (nothing is downloaded): {first_line}"
         ) from None
     config._attn_implementation = "eager" if attention == "math" else "sdpa"
-    config.use_cache = False
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     layer = find_layers(model)[0]
@@ -235,6 +239,7 @@ def hf_layer(
     finally:
         hook.remove()
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in captured["args"])
+    _fresh_caches(layer, [*args, *captured["kwargs"].values()], transformers.Cache)
     return LayerSpec(
         layer,
         args,
@@ -243,6 +248,22 @@ def hf_layer(
         f"batch {batch}, {dtype}, attn_implementation {config._attn_implementation}",
         num_layers=config.num_hidden_layers,
     )
+
+
+def _fresh_caches(layer: nn.Module, values: list[Any], cache_type: type) -> None:
+    """Give ``layer`` a copy of each of these caches, as they are now (empty), at every
+    call: the layer appends to a cache it is given, and each measurement of the layer,
+    like each step of the model, starts from an empty one."""
+    empty = {id(value): copy.deepcopy(value) for value in values if isinstance(value, cache_type)}
+
+    def fresh(value: Any) -> Any:
+        return copy.deepcopy(empty[id(value)]) if id(value) in empty else value
+
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return tuple(map(fresh, args)), {name: fresh(value) for name, value in kwargs.items()}
+
+    if empty:
+        layer.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 class _Captured(Exception):

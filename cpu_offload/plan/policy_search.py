@@ -22,7 +22,7 @@ from the same table, so the predicted step time never decreases as the budget ti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -140,6 +140,8 @@ class PolicyPlan:
             ``recompute_s``, ``exposed_copy_s``, ``log``).
         memory_budget: the budget, in bytes of saved activations.
         candidates: how many policies were compared.
+        checkpoint_refused: why no layer was checkpointed (the layer's
+            ``checkpoint_hazards``); empty when checkpointing was among the choices.
     """
 
     policy: list[str]
@@ -147,6 +149,7 @@ class PolicyPlan:
     predicted: PlanRow
     memory_budget: int
     candidates: int
+    checkpoint_refused: list[str] = field(default_factory=list)
 
     def blocks(self) -> list[tuple[int, int, str]]:
         """``(first layer, last layer, choice)`` for each run of equal choices."""
@@ -160,13 +163,16 @@ class PolicySearch:
     def __init__(
         self, layer: LayerProfile, num_layers: int, device: str | DeviceProfile = "h100"
     ) -> None:
-        if not isinstance(num_layers, int) or num_layers < 1:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(
                 f"choose_policy: num_layers must be a positive int, got {num_layers!r}."
             )
         self.device = get_profile(device)
         self.costs = LayerCosts.of(layer, self.device)
         self.codes = policy_family(num_layers)
+        self.checkpoint_refused = list(layer.checkpoint_hazards)
+        if self.checkpoint_refused:  # recomputing this layer would change training
+            self.codes = self.codes[~np.isin(self.codes, (_C, _CO)).any(axis=1)]
         self.results = simulate_many(self.codes, self.costs, self.device.d2h, self.device.h2d)
         self.checkpoints = ((self.codes == _C) | (self.codes == _CO)).sum(axis=1)
 
@@ -192,7 +198,14 @@ class PolicySearch:
         best = int(np.lexsort(keys)[0])
         policy = [POLICY_CHOICES[code] for code in self.codes[best]]
         row = simulate_policy(policy, self.costs, self.device.d2h, self.device.h2d)
-        return PolicyPlan(policy, bool(fits.any()), row, memory_budget, len(self.codes))
+        return PolicyPlan(
+            policy,
+            bool(fits.any()),
+            row,
+            memory_budget,
+            len(self.codes),
+            self.checkpoint_refused,
+        )
 
 
 def choose_policy(
@@ -203,7 +216,9 @@ def choose_policy(
     memory_budget: int,
 ) -> PolicyPlan:
     """The per-layer policy with the least predicted step time whose saved activations
-    fit ``memory_budget`` bytes at every point of the step.
+    fit ``memory_budget`` bytes at every point of the step.  A layer whose recompute
+    would change training (``layer.checkpoint_hazards``) is never checkpointed: the
+    plan's ``checkpoint_refused`` says why.
 
     Args:
         layer: from :func:`~cpu_offload.plan.measure_layer`.

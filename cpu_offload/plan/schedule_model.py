@@ -275,7 +275,7 @@ def plan_offload(
         memory_budget: bytes of saved activations that must fit, or None; with one,
             ``plan.policy`` is the fastest per-layer policy that fits it.
     """
-    if not isinstance(num_layers, int) or num_layers < 1:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"plan_offload: num_layers must be a positive int, got {num_layers!r}.")
     profile = get_profile(device)
     costs = LayerCosts.of(layer, profile)

@@ -3,13 +3,16 @@ with OffloadCallback: gradients and parameters bit for bit against runs without 
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
 import torch
 from hosts import require
+from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import offload_layers
+from cpu_offload.layer_hooks import find_layers
 
 transformers = require("transformers")
 
@@ -150,4 +153,129 @@ def test_hugging_face_gradient_checkpointing_offloads_the_checkpoint_inputs():
     assert all(torch.equal(a, b) for a, b in zip(actual, expected))
     stats = handle.offload_synchronizer.stats
     assert 2 <= stats.tensors_offloaded < 10  # the inputs of 2 checkpointed layers, not more
+    handle.remove()
+
+
+# ------------------------------------------------ every policy, at transformers' defaults
+
+
+def qwen2():
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.Qwen2ForCausalLM(config)
+
+
+POLICIES = {
+    "keep": ["keep"] * 4,
+    "offload": ["offload"] * 3 + ["keep"],
+    "checkpoint": ["checkpoint"] * 4,
+    "checkpoint+offload": ["checkpoint+offload"] * 3 + ["checkpoint"],
+    "mixed": ["offload", "checkpoint+offload", "checkpoint", "keep"],
+}
+CACHE_WARNING = "which was called with use_cache=True and a cache in past_key_values"
+
+
+def policy_step(model, policy, padded: bool):
+    """One training step's output and gradients, the model as shipped (use_cache=True)."""
+    model.zero_grad(set_to_none=True)
+    handle = offload_layers(model, policy=policy, min_offload_numel=0) if policy else None
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(input_ids=ids, attention_mask=mask if padded else None, labels=ids)
+        out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    ours = [str(w.message) for w in caught if str(w.message).startswith("cpu_offload")]
+    return out, grads, handle, ours
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padding-mask"])
+@pytest.mark.parametrize("build", [gpt2, llama, qwen2], ids=["gpt2", "llama", "qwen2"])
+def test_every_policy_runs_a_default_config_bit_identically(build, padded):
+    """logits, loss and every gradient torch.equal to the plain model's; the cache it
+    returns is the plain model's, less the entries of checkpointed layers, which run
+    without it (as under transformers' gradient checkpointing)."""
+    model = build()
+    model.train()
+    assert model.config.use_cache  # as shipped
+    plain, expected, _, _ = policy_step(model, None, padded)
+    assert plain.past_key_values.get_seq_length() == 16
+    for name, policy in POLICIES.items():
+        out, grads, handle, warned = policy_step(model, policy, padded)
+        assert torch.equal(out.logits, plain.logits), name
+        assert torch.equal(out.loss, plain.loss), name
+        assert all(torch.equal(grads[p], expected[p]) for p in expected), name
+        checkpointed = ["checkpoint" in choice for choice in policy]
+        for index, cache in enumerate(out.past_key_values.layers):
+            if checkpointed[index]:
+                assert not cache.is_initialized, (name, index)
+            else:
+                assert torch.equal(cache.keys, plain.past_key_values.layers[index].keys)
+                assert torch.equal(cache.values, plain.past_key_values.layers[index].values)
+        assert len(warned) == any(checkpointed), (name, warned)
+        assert all(CACHE_WARNING in w for w in warned), warned
+        if "offload" in " ".join(policy):
+            assert handle.offload_synchronizer.stats.tensors_offloaded > 0, name
+        handle.remove()
+        assert all("forward" not in layer.__dict__ for layer in find_layers(model))
+
+
+def test_the_cache_is_what_transformers_gradient_checkpointing_leaves():
+    """Checkpointing the same layers with transformers' own gradient checkpointing (its
+    layer wrapper, on those layers only) gives the same cache and gradients."""
+    policy = POLICIES["mixed"]
+    ours, expected_grads, handle, warned = policy_step(llama(), policy, padded=True)
+    handle.remove()
+    model = llama()
+    model.train()
+    for layer, choice in zip(model.model.layers, policy):
+        if "checkpoint" in choice:
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+    theirs, grads, _, _ = policy_step(model, None, padded=True)
+    assert torch.equal(theirs.logits, ours.logits)
+    assert all(torch.equal(grads[p], expected_grads[p]) for p in grads)
+    for mine, hf in zip(ours.past_key_values.layers, theirs.past_key_values.layers):
+        assert mine.is_initialized == hf.is_initialized
+        if hf.is_initialized:
+            assert torch.equal(mine.keys, hf.keys) and torch.equal(mine.values, hf.values)
+    assert warned == [
+        "cpu_offload: offload_layers checkpoints layer 1 (LlamaDecoderLayer), which was "
+        "called with use_cache=True and a cache in past_key_values. Its recompute in "
+        "backward would append to the cache a second time, so checkpointed layers run "
+        "without the cache, as under transformers' gradient checkpointing: the cache the "
+        "model returns has no entries for them. Pass use_cache=False when training (or set "
+        "model.config.use_cache = False) to leave the cache out. This warning is shown once "
+        "per offload_layers handle."
+    ]
+
+
+def test_the_cache_warning_is_shown_once_per_handle_and_not_without_a_cache():
+    model = gpt2()
+    model.train()
+    handle = offload_layers(model, policy=POLICIES["mixed"], min_offload_numel=0)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        with torch.no_grad():  # generation: nothing is checkpointed, the cache is whole
+            out = model(input_ids=ids)
+    assert out.past_key_values.get_seq_length() == 16
+    assert all(layer.is_initialized for layer in out.past_key_values.layers)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("cpu_offload")]
+    assert len(ours) == 1 and "layer 1 (GPT2Block)" in ours[0]
+    assert "called with use_cache=True and a cache in past_key_values" in ours[0]
     handle.remove()

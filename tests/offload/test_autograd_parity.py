@@ -584,6 +584,104 @@ def per_layer_policy(inplace: bool) -> Callable[[Offload], list]:
     return program
 
 
+class Keywords(torch.nn.Module):
+    """A layer whose keyword arguments are named like ``torch.utils.checkpoint``'s own;
+    each changes what it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        debug: bool = False,
+        preserve_rng_state: bool = True,
+        determinism_check: str = "default",
+        early_stop: bool = True,
+        use_reentrant: float = 1.0,
+        function: float = 1.0,
+        context_fn: float = 1.0,
+    ) -> torch.Tensor:
+        h = self.linear(x) * use_reentrant * function * context_fn
+        h = h * 2 if debug else h
+        h = h if preserve_rng_state else h + 1
+        h = h - 0.5 if determinism_check == "none" else h
+        return torch.tanh(h if early_stop else h * 3)
+
+
+#: values the layer reads, and checkpoint would take for itself (accepting the first four)
+KEYWORDS = {
+    "debug": True,
+    "preserve_rng_state": False,
+    "determinism_check": "none",
+    "early_stop": False,
+    "use_reentrant": 0.5,
+    "function": 1.5,
+    "context_fn": 0.25,
+}
+
+
+def layer_keywords_named_like_checkpoints(names: tuple[str, ...]) -> Callable[[Offload], list]:
+    """offload_layers(policy=...) on layers called with keyword arguments that
+    ``torch.utils.checkpoint`` also takes: every one reaches the layer."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [Keywords() for _ in range(L)]
+        off.policy(blocks, POLICIES[off.k or 1])
+        x = leaf(8, 4)
+        h = x
+        for block in blocks:
+            h = block(h, **{name: KEYWORDS[name] for name in names})
+        h.sum().backward()
+        return [x.grad, *(p.grad for block in blocks for p in block.parameters())]
+
+    return program
+
+
+class CachedLayer(torch.nn.Module):
+    """Appends its keys and values to a cache it is given, as a Hugging Face decoder
+    layer does, and attends over the cache under a mask of the input's length."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.key, self.value = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        past_key_values: dict[int, Any] | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor:
+        k, v = self.key(x), self.value(x)
+        if past_key_values is not None:
+            if self.index in past_key_values:
+                old_k, old_v = past_key_values[self.index]
+                k, v = torch.cat([old_k, k]), torch.cat([old_v, v])
+            past_key_values[self.index] = (k, v)
+        return torch.tanh(((x @ k.T + mask).softmax(-1) @ v) + x)
+
+
+def layers_with_a_cache(off: Offload) -> list[torch.Tensor]:
+    """offload_layers(policy=...) on layers given a cache (positionally, as GPT-2 does)
+    and use_cache=True: a checkpointed layer's recompute does not append to it again."""
+    torch.manual_seed(0)
+    blocks = [CachedLayer(index) for index in range(L)]
+    off.policy(blocks, POLICIES[off.k or 1])
+    x = leaf(8, 4)
+    mask = torch.full((8, 8), -1e4).triu(1)
+    cache: dict[int, Any] = {}
+    h = x
+    for block in blocks:
+        h = block(h, mask, cache, use_cache=True)
+    h.sum().backward()
+    return [x.grad, *(p.grad for block in blocks for p in block.parameters())]
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -644,6 +742,15 @@ PROGRAMS = {
     ),
     "policy: keep, offload, checkpoint, checkpoint+offload": Row(per_layer_policy(False)),
     "policy, a checkpoint's input modified in place": Row(per_layer_policy(True), match=MODIFIED),
+    "policy, layer keywords checkpoint would take": Row(
+        layer_keywords_named_like_checkpoints(
+            ("debug", "preserve_rng_state", "determinism_check", "early_stop")
+        )
+    ),
+    "policy, layer keywords checkpoint refuses": Row(
+        layer_keywords_named_like_checkpoints(("use_reentrant", "function", "context_fn"))
+    ),
+    "policy, a layer given a cache and use_cache=True": Row(layers_with_a_cache),
 }
 
 

@@ -112,3 +112,53 @@ def test_unknown_attention_is_refused():
         measure_layer(
             lambda: torch.nn.Linear(4, 4), torch.empty(2, 4, device="meta"), attention="x"
         )
+
+
+@pytest.mark.parametrize("min_numel", [0, 2**12])
+def test_gpt2_at_its_default_use_cache_plans_the_bytes_a_real_run_moves(tmp_path, min_numel):
+    """GPT-2 ships use_cache=True: its layer appends to the cache, and what attention
+    saves is the cache's keys and values. The planner measures the layer that way, for
+    offloaded layers and for checkpointed ones (which run without the cache)."""
+    transformers = require("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=128, attn_pdrop=0.0
+    )  # no attention dropout: on the CPU it takes sdpa's math path, not modelled here
+    assert config.use_cache
+    config.save_pretrained(tmp_path)
+    spec = hf_layer(str(tmp_path / "config.json"), 128, 2, torch.float32, "cpu")
+    layer = measure_layer(
+        spec.make_layer,
+        spec.inputs,
+        kwargs=spec.kwargs,
+        min_offload_numel=min_numel,
+        attention="cpu",
+        fused_dropout=False,  # the CPU's dropout saves its scaled mask
+    )
+    again = measure_layer(
+        spec.make_layer,
+        spec.inputs,
+        kwargs=spec.kwargs,
+        min_offload_numel=min_numel,
+        attention="cpu",
+        fused_dropout=False,
+    )
+    assert again.offloaded_bytes == layer.offloaded_bytes  # each from an empty cache
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 128, (2, 128))
+    step = lambda: model(input_ids=ids, labels=ids).loss.backward()  # noqa: E731
+    for k in range(1, 4):
+        moved = real_stats(model, k, min_numel, step)
+        assert moved == (k * layer.offloaded_bytes, k * layer.tensors_offloaded), k
+    policy = ["offload", "checkpoint+offload", "checkpoint", "keep"]
+    handle = offload_layers(model, policy=policy, min_offload_numel=min_numel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the checkpointed layers run without the cache
+        step()
+    stats = handle.offload_synchronizer.stats
+    handle.remove()
+    expected = layer.offloaded_bytes + layer.input_offloaded_bytes
+    assert (stats.bytes_offloaded, stats.tensors_offloaded) == (
+        expected,
+        layer.tensors_offloaded + layer.input_tensors_offloaded,
+    )
