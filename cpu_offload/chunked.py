@@ -4,27 +4,49 @@ torchtune's and TRL's users write ``with OffloadActivations(): loss = model(batc
 around a whole model, with no layer structure to hook.  :class:`ChunkedOffload` takes
 that shape: one pack hook for the whole forward hands each saved tensor to the current
 *chunk* (an :class:`~cpu_offload.layer_state.OffloadableLayerState`), and a chunk closes
-once it holds ``chunk_bytes`` of offloadable tensors.
+once it holds enough offloadable bytes.
 
 NOTE [Chunks by bytes]
     Chunks are cut by bytes, not at module boundaries: the context sees saved tensors
     and nothing else (custom autograd Functions, functional code, compiled regions
     have no module to hook), and bytes are what a copy's time and the device's memory
-    are made of, so equal chunks give copies of equal length to hide.
+    are made of.
 
+    size:    by default a chunk closes, at the next tensor that moves, once it holds an
+             eighth of the offloadable bytes saved before it in this forward, and at
+             most :data:`MAX_CHUNK_BYTES`: the first chunks are single tensors, later
+             ones grow with the forward.  What stays on the device at the end of
+             forward (the last chunk) is then at most about an eighth of what the
+             forward saved, plus one tensor, on a small forward as on a large one; the
+             number of chunks grows with the logarithm of the forward's size.  A fixed
+             ``chunk_bytes`` closes every chunk at that many bytes instead.
     forward: a chunk's copies start when the next chunk takes its first offloadable
              tensor, and its device memory is released (the compute stream waits for
              its copies) when the chunk after that starts, so a copy has a chunk of
-             compute to hide behind.  The last chunk stays on the device, as
-             torchtune keeps it: backward needs it first.
+             compute to hide behind.  The last chunk stays on the device, backward
+             needs it first, unless (with growing chunks) it holds more than an eighth
+             of the forward's offloadable bytes (one large tensor saved last, such as
+             the logits a loss saves): then it moves as the context is left, its copy
+             exposed, and at most an eighth of the forward stays on the device.
     backward: the first pop of a chunk starts the reload of the chunk before it, which
-             backward needs next.  A chunk's memory goes when autograd frees its
-             saved tensors (NOTE [Lifetime of a layer's data] in layer_state.py).
+             backward needs next (and, for a last chunk that moved, its own).  A
+             chunk's memory goes when autograd frees its saved tensors (NOTE
+             [Lifetime of a layer's data] in layer_state.py).
+
+NOTE [A tensor saved in several chunks]
+    A tensor saved again after its chunk closed (q, k and v projections of one input,
+    a loss that saves the logits again) is not copied again: the new save gets a
+    handle to the copy already made, whose unpack checks the version recorded then
+    (a tensor modified in place in between is pushed anew, as autograd would see two
+    versions).  Such a handle does not prefetch: the chunk it points to is reloaded
+    when its own tensors are first needed, or at once if this one comes first.
 """
 
 from __future__ import annotations
 
 import contextvars
+import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -33,16 +55,82 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .context import _active_depth, _forward_inside_backward, _saved_tensors_hooks_enabled
 from .eager import eager
+from .engine import OffloadEngine
 from .errors import CpuOffloadError
-from .layer_state import LayerState, OffloadableLayerState, is_moved_handle, unpack_saved
+from .layer_state import LayerState, OffloadableLayerState, SharedHandle, unpack_saved
 from .per_thread import PerThread
 from .selection import is_offloadable
-from .synchronizer import OffloadSynchronizer
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedOffload"]
+__all__ = ["CHUNK_FRACTION", "MAX_CHUNK_BYTES", "ChunkedForward", "ChunkedOffload", "ChunkEngine"]
 
-#: the bytes of offloadable tensors per chunk, by default
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: by default a chunk holds at least this fraction of the bytes saved before it ...
+CHUNK_FRACTION = 1 / 8
+#: ... and closes at this many offloadable bytes at most (NOTE [Chunks by bytes])
+MAX_CHUNK_BYTES = 64 * 2**20
+
+_Tensor = torch.Tensor
+
+
+class ChunkedForward:
+    """One forward run under a :class:`ChunkedOffload`: its chunks, held weakly (the
+    graph owns the chunks, and each chunk holds its forward as ``owner``)."""
+
+    __slots__ = ("index", "_chunks", "__weakref__")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self._chunks: list[weakref.ref[OffloadableLayerState]] = []
+
+    @property
+    def chunks(self) -> list[OffloadableLayerState]:
+        """The chunks whose saved tensors autograd may still unpack."""
+        return [chunk for ref in self._chunks if (chunk := ref()) is not None]
+
+    def get_offloaded_total_size_mb(self) -> float:
+        """MiB of this forward's data that sits in host memory now."""
+        return sum(chunk.get_offloaded_total_size_mb() for chunk in self.chunks)
+
+    def __repr__(self) -> str:
+        return f"ChunkedForward(index={self.index}, chunks={len(self._chunks)})"
+
+
+class ChunkEngine(OffloadEngine):
+    """The engine of a :class:`ChunkedOffload`: stream, host buffer pool, statistics,
+    and the forwards whose graphs are alive."""
+
+    reload_advice = None  # a chunk backward reaches out of order reloads silently
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._forwards: list[weakref.ref[ChunkedForward]] = []
+        self._lock = threading.Lock()
+        #: warn (once) when a forward moved nothing
+        self.warn_if_nothing_moved = True
+
+    def new_forward(self) -> ChunkedForward:
+        with self._lock:
+            forward = ChunkedForward(self.stats.forward_passes)
+            self.stats.forward_passes += 1
+            self._forwards = [ref for ref in self._forwards if ref() is not None]
+            self._forwards.append(weakref.ref(forward))
+        return forward
+
+    def new_chunk(self, forward: ChunkedForward) -> OffloadableLayerState:
+        """The next chunk of ``forward``."""
+        number = len(forward._chunks)
+        chunk = self.new_layer_state(number, f"chunk {number} of forward pass {forward.index}")
+        chunk.owner = forward
+        forward._chunks.append(weakref.ref(chunk))
+        return chunk
+
+    def in_flight_passes(self) -> list[ChunkedForward]:
+        """Forwards whose graphs are alive (some chunk's saved tensors may still be
+        unpacked), oldest first."""
+        return [forward for ref in self._forwards if (forward := ref()) is not None]
+
+    def get_offloaded_total_size_mb(self) -> float:
+        """MiB of offloaded data in host memory now, over all forwards in flight."""
+        return sum(forward.get_offloaded_total_size_mb() for forward in self.in_flight_passes())
 
 
 class _Forward:
@@ -52,22 +140,30 @@ class _Forward:
         "inert",
         "hooks",
         "depth_token",
+        "record",
         "chunk",
         "chunk_bytes",
+        "bytes_before",
         "copying",
-        "chunks",
-        "name",
+        "seen",
+        "saved",
+        "moved_before",
     )
 
     def __init__(self) -> None:
         self.inert = False
         self.hooks: saved_tensors_hooks | None = None
         self.depth_token: contextvars.Token[int] | None = None
+        self.record: ChunkedForward | None = None
         self.chunk: OffloadableLayerState | None = None  # taking tensors now
         self.chunk_bytes = 0  # offloadable bytes it holds
+        self.bytes_before = 0  # offloadable bytes of the closed chunks
         self.copying: OffloadableLayerState | None = None  # closed, copies started, not released
-        self.chunks = 0
-        self.name = ""
+        # id(tensor) -> (weak tensor, lease, index, version): moved tensors (NOTE [A
+        # tensor saved in several chunks])
+        self.seen: dict[int, tuple[weakref.ref[torch.Tensor], Any, int, int]] = {}
+        self.saved = 0  # tensors saved
+        self.moved_before = 0  # stats.tensors_offloaded when the forward started
 
 
 def _prefetch(state: OffloadableLayerState) -> None:
@@ -77,32 +173,40 @@ def _prefetch(state: OffloadableLayerState) -> None:
 
 
 class ChunkedOffload:
-    """Offload what a whole forward saves, in chunks of ``chunk_bytes``; see the module.
+    """Offload what a whole forward saves, in chunks; see the module.
 
     Args:
-        chunk_bytes: offloadable bytes per chunk (see NOTE [Chunks by bytes]).
+        chunk_bytes: offloadable bytes per chunk; by default (None) chunks grow with the
+            forward, so that most of a small forward moves as most of a large one
+            does (NOTE [Chunks by bytes]).
         device, min_offload_numel, min_offload_bytes, max_host_bytes,
             retain_pinned_cpu_buffers: as for :func:`cpu_offload.get_cpu_offload_context`.
 
     Attributes:
-        offload_synchronizer: holds the stream, the host buffer pool (``host_memory_stats()``)
-            and the statistics (``stats``) of every forward run under the context.
+        offload_synchronizer: the context's :class:`ChunkEngine`: ``stats``,
+            ``host_memory_stats()``, ``get_offloaded_total_size_mb()`` and
+            ``in_flight_passes()`` (the forwards whose graphs are alive).
 
     Example:
         >>> import torch
         >>> from cpu_offload.chunked import ChunkedOffload
         >>> model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))
-        >>> ctx = ChunkedOffload(chunk_bytes=4096, min_offload_numel=0)
+        >>> ctx = ChunkedOffload()
         >>> with ctx:
         ...     loss = model(torch.randn(16, 64, requires_grad=True)).sum()
-        >>> loss.backward()
-        >>> ctx.offload_synchronizer.stats.tensors_offloaded > 0
+        >>> ctx.offload_synchronizer.get_offloaded_total_size_mb() > 0
         True
+        >>> loss.backward()
+        >>> ctx.offload_synchronizer.stats.tensors_offloaded
+        5
     """
+
+    #: how messages name the threshold in bytes (torchtune's class calls it otherwise)
+    bytes_threshold_name = "min_offload_bytes"
 
     def __init__(
         self,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         *,
         device: torch.device | str | None = None,
         min_offload_numel: int = 0,
@@ -110,11 +214,15 @@ class ChunkedOffload:
         max_host_bytes: int | None = None,
         retain_pinned_cpu_buffers: bool = False,
     ) -> None:
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"cpu_offload: chunk_bytes must be an int >= 1, got {chunk_bytes!r}.")
+        if chunk_bytes is not None and (
+            isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1
+        ):
+            raise ValueError(
+                f"cpu_offload: chunk_bytes must be an int >= 1, or None (chunks that grow "
+                f"with the forward), got {chunk_bytes!r}."
+            )
         self.chunk_bytes = chunk_bytes
-        self.offload_synchronizer = OffloadSynchronizer(
-            1,
+        self.offload_synchronizer = ChunkEngine(
             retain_pinned_cpu_buffers,
             device=device,
             min_offload_numel=min_offload_numel,
@@ -135,10 +243,10 @@ class ChunkedOffload:
         run.inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
         if run.inert:  # checkpoint recomputation, torch.func: nothing to offload
             return self
-        synchronizer = self.offload_synchronizer
-        synchronizer.stats.forward_passes += 1
-        run.name = f"forward pass {synchronizer.stats.forward_passes - 1}"
-        run.chunks, run.copying = 0, None
+        engine = self.offload_synchronizer
+        run.record = engine.new_forward()
+        run.copying, run.bytes_before, run.saved = None, 0, 0
+        run.moved_before = engine.stats.tensors_offloaded
         self._open_chunk(after=None)
         hooks = saved_tensors_hooks(self._push, unpack_saved)
         hooks.__enter__()
@@ -155,11 +263,15 @@ class ChunkedOffload:
             _active_depth.reset(run.depth_token)
         if run.hooks is not None:
             run.hooks.__exit__(exc_type, exc, traceback)
-        if exc_type is None and run.copying is not None:
-            # The last chunk stays; the one before it has had the last one's compute.
-            run.copying.release_activation_forward_gpu_memory()
+        if exc_type is None:
+            if run.copying is not None:
+                # The one before the last has had the last one's compute.
+                run.copying.release_activation_forward_gpu_memory()
+            self._move_a_large_last_chunk(run)
+            self._warn_if_nothing_moved(run)
         # (after an exception the partial graph owns the chunks, and frees them with it)
-        run.hooks = run.depth_token = run.chunk = run.copying = None
+        run.hooks = run.depth_token = run.chunk = run.copying = run.record = None
+        run.seen = {}
 
     # -------------------------------------------------------------- chunks
 
@@ -169,20 +281,35 @@ class ChunkedOffload:
         chunk = run.chunk
         if chunk is None:  # pragma: no cover - the hooks live only while a chunk is open
             raise CpuOffloadError("cpu_offload internal error: a push outside the context.")
-        if run.chunk_bytes >= self.chunk_bytes and self._moves(tensor):
+        run.saved += 1
+        if type(tensor) is _Tensor:
+            entry = run.seen.get(id(tensor))
+            if entry is not None and entry[0]() is tensor and entry[3] == tensor._version:
+                # Saved before: NOTE [A tensor saved in several chunks].  In the open chunk
+                # it is pushed there again (the chunk copies it once), adding no bytes.
+                lease = entry[1]
+                if lease.layer is chunk:
+                    return chunk.push_tensor(tensor)
+                return SharedHandle(lease, entry[2])
+        if self._full(run) and self._moves(tensor):
             chunk = self._close_chunk()  # a full chunk closes at the next tensor that moves
         handle = chunk.push_tensor(tensor)
-        if is_moved_handle(handle):
+        if type(handle) is tuple and len(handle) == 2:  # moved (NOTE [Handles])
             run.chunk_bytes += tensor.numel() * tensor.element_size()
+            run.seen[id(tensor)] = (weakref.ref(tensor), handle[0], handle[1], tensor._version)
         return handle
 
+    def _full(self, run: _Forward) -> bool:
+        """Whether the open chunk closes at the next tensor that moves."""
+        held = run.chunk_bytes
+        if self.chunk_bytes is not None:
+            return held >= self.chunk_bytes
+        return held > 0 and held >= min(MAX_CHUNK_BYTES, run.bytes_before * CHUNK_FRACTION)
+
     def _moves(self, tensor: Any) -> bool:
-        synchronizer = self.offload_synchronizer
+        engine = self.offload_synchronizer
         return type(tensor) is torch.Tensor and is_offloadable(
-            tensor,
-            synchronizer.backend.device,
-            synchronizer.min_offload_numel,
-            synchronizer.min_offload_bytes,
+            tensor, engine.backend.device, engine.min_offload_numel, engine.min_offload_bytes
         )
 
     def _close_chunk(self) -> OffloadableLayerState:
@@ -195,23 +322,14 @@ class ChunkedOffload:
         if run.copying is not None:
             run.copying.release_activation_forward_gpu_memory()
         run.copying = full
+        run.bytes_before += run.chunk_bytes
         return self._open_chunk(after=full)
 
     def _open_chunk(self, after: OffloadableLayerState | None) -> OffloadableLayerState:
         run = self._forward.value
-        synchronizer = self.offload_synchronizer
-        state = OffloadableLayerState(
-            synchronizer.offload_stream,
-            layer_index=run.chunks,
-            backend=synchronizer.backend,
-            host_buffers=synchronizer.host_buffers,
-            min_offload_numel=synchronizer.min_offload_numel,
-            min_offload_bytes=synchronizer.min_offload_bytes,
-            stats=synchronizer.stats,
-            name=f"chunk {run.chunks} of {run.name}",
-            copy_timer=synchronizer.copy_timer,
-        )
-        state.reload_advice = None  # a chunk backward reaches out of order reloads silently
+        if run.record is None:  # pragma: no cover
+            raise CpuOffloadError("cpu_offload internal error: a chunk outside a forward.")
+        state = self.offload_synchronizer.new_chunk(run.record)
         if after is not None:
             previous = weakref.ref(after)  # the graph owns chunks; a chunk only points back
 
@@ -221,6 +339,76 @@ class ChunkedOffload:
                     _prefetch(chunk)
 
             state.on_first_pop = prefetch
-        run.chunks += 1
         run.chunk, run.chunk_bytes = state, 0
         return state
+
+    def _move_a_large_last_chunk(self, run: _Forward) -> None:
+        """With growing chunks, a last chunk over an eighth of the forward moves too
+        (NOTE [Chunks by bytes]); its first pop reloads it, then prefetches the one
+        before it."""
+        last = run.chunk
+        held = run.chunk_bytes
+        if (
+            self.chunk_bytes is not None
+            or last is None
+            or not held
+            or held <= CHUNK_FRACTION * (run.bytes_before + held)
+            or not last.holds_data()  # (a backward inside the context freed it)
+        ):
+            return
+        last.start_offload()
+        last.release_activation_forward_gpu_memory()
+        prefetch_previous = last.on_first_pop
+        chunk = weakref.ref(last)
+
+        def reload_then_prefetch() -> None:
+            state = chunk()
+            if state is not None:
+                _prefetch(state)
+            if prefetch_previous is not None:
+                prefetch_previous()
+
+        last.on_first_pop = reload_then_prefetch
+
+    def _warn_if_nothing_moved(self, run: _Forward) -> None:
+        """Say once why a forward moved nothing (every front end does something visible
+        at its defaults, or says why not)."""
+        engine = self.offload_synchronizer
+        if not engine.warn_if_nothing_moved or not run.saved:
+            return
+        if engine.stats.tensors_offloaded > run.moved_before or run.bytes_before:
+            return  # (chunks closed and moved nothing: max_host_bytes refused them, and says so)
+        engine.warn_if_nothing_moved = False  # once
+        name = type(self).__name__
+        if run.chunk_bytes:
+            why = (
+                f"its offloadable tensors ({run.chunk_bytes / 2**20:.2f} MiB) fit in one "
+                "chunk, the last, which stays on the device because backward needs it first"
+                + (
+                    f". Pass a chunk_bytes under {self.chunk_bytes} to move them."
+                    if self.chunk_bytes is not None
+                    else " (a forward that saves one tensor large enough to move moves nothing)."
+                )
+            )
+        else:
+            limits = [
+                f"{name}={value} {unit}"
+                for name, value, unit in (
+                    ("min_offload_numel", engine.min_offload_numel, "elements"),
+                    (self.bytes_threshold_name, engine.min_offload_bytes, "bytes"),
+                )
+                if value
+            ]
+            why = (
+                f"none of the {run.saved} tensors it saved can move: each is "
+                + (f"under {' or '.join(limits)}, " if limits else "")
+                + "a parameter or a view of one, marked not to offload, not dense, or not "
+                f"on {engine.backend.device}"
+                + (". Lower the threshold to move smaller tensors." if limits else ".")
+            )
+        warnings.warn(
+            f"cpu_offload: {name} moved nothing to the host in a forward: {why} This "
+            "warning is shown once.",
+            UserWarning,
+            stacklevel=3,
+        )

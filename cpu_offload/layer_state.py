@@ -87,6 +87,7 @@ __all__ = [
     "TRANSITIONS",
     "LayerState",
     "OffloadableLayerState",
+    "SharedHandle",
     "Transition",
     "decompose",
     "has_saving_protocol",
@@ -231,7 +232,8 @@ class _Lease:
 #         ``(tensor, version, layer)`` a tensor that stays where it is, without history,
 #                                     and its version at push (checked at unpack).
 #     Anything else the hook may return is an object of its own class (``_Decomposed``,
-#     ``_Verbatim``) or an object pushed by hand that is no tensor (itself), never a tuple.
+#     ``_Verbatim``, ``SharedHandle``) or an object pushed by hand that is no tensor
+#     (itself), never a tuple.
 
 
 def _kept(tensor: torch.Tensor, layer: OffloadableLayerState) -> tuple:
@@ -258,6 +260,18 @@ class _Verbatim:
 def _verbatim(obj: Any) -> Any:
     """The handle of an object pushed that is no tensor: the object itself (unless a tuple)."""
     return _Verbatim(obj) if isinstance(obj, tuple) else obj
+
+
+class SharedHandle:
+    """A handle to a tensor that another save already handed to a layer (NOTE [A tensor
+    saved in several chunks] in chunked.py): it unpacks that tensor without starting
+    the layer's first-pop prefetch."""
+
+    __slots__ = ("lease", "index")
+
+    def __init__(self, lease: _Lease, index: int) -> None:
+        self.lease = lease
+        self.index = index
 
 
 class _Decomposed:
@@ -327,6 +341,9 @@ class OffloadableLayerState:
         #: called once, at the first pop of a push cycle (a chunk prefetches the one
         #: before it: see ``chunked.py``)
         self.on_first_pop: Callable[[], None] | None = None
+        #: what this state belongs to, kept alive as long as the state is (a chunk's
+        #: forward: see ``chunked.py``)
+        self.owner: Any = None
         self.state = _NOT_OFFLOADED
         self.generation = 0
         #: the most elements of a tensor kept only for being under ``min_offload_numel``
@@ -498,14 +515,14 @@ class OffloadableLayerState:
             return unpack_saved(handle)
         return self._pop(handle[0], handle[1])
 
-    def _pop(self, lease: _Lease, index: int) -> torch.Tensor:
+    def _pop(self, lease: _Lease, index: int, prefetch: bool = True) -> torch.Tensor:
         if self._lease is None or self._lease() is not lease:
             raise OffloadStateError(
                 f"cpu_offload: a saved tensor of {self.name} was used after the layer's "
                 "data was released and the layer state reused for another forward pass. "
                 "Use one layer state per layer and forward pass (the synchronizers do)."
             )
-        if self.on_first_pop is not None:
+        if prefetch and self.on_first_pop is not None:
             callback, self.on_first_pop = self.on_first_pop, None
             callback()
         pushed = self._pushed  # the aliases while held, else their version keepers
@@ -767,6 +784,8 @@ def unpack_saved(handle: Any) -> Any:
                 f"the tensor was saved by {layer.name} and stayed on the device",
             )
         return tensor
+    if type(handle) is SharedHandle:
+        return handle.lease.layer._pop(handle.lease, handle.index, False)
     if type(handle) is _Decomposed:
         components = [None if part is None else unpack_saved(part) for part in handle.parts]
         handle.obj.restore_from_saved(components)

@@ -17,34 +17,17 @@ from typing import Any
 
 import torch
 
-from .copy_timer import CopyTimer
-from .device import DeviceBackend, Stream, get_backend
+from .engine import OffloadEngine
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
-from .host_buffers import HostBufferPool
 from .layer_state import LayerState, OffloadableLayerState, unpack_saved
 from .marks import set_mark
 from .per_thread import PerThread
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
-from .stats import OffloadStats
 
 __all__ = ["DefaultOffloadSynchronizer", "ManualOffloadSynchronizer", "OffloadSynchronizer"]
 
 PassRef = ForwardPass | int | None
-
-
-def _check_bytes(name: str, value: object, expected: str) -> None:
-    """``value`` is a count of bytes: an int >= 0 (TypeError, else ValueError)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"cpu_offload: {name} must be {expected}, got {value!r}.")
-    if value < 0:
-        raise ValueError(f"cpu_offload: {name} must be {expected}, got {value!r}.")
-
-
-def _check_limits(min_offload_bytes: object, max_host_bytes: object) -> None:
-    _check_bytes("min_offload_bytes", min_offload_bytes, "an int >= 0")
-    if max_host_bytes is not None:
-        _check_bytes("max_host_bytes", max_host_bytes, "an int >= 0 (bytes) or None (no cap)")
 
 
 def _check_model_layers(num_layers: object) -> None:
@@ -62,7 +45,7 @@ class _ForwardInProgress:
         self.finished: weakref.ref[ForwardPass] | None = None  # the last pass whose forward ended
 
 
-class OffloadSynchronizer:
+class OffloadSynchronizer(OffloadEngine):
     """Tracks forward passes and layers; offloads nothing by itself.
 
     NOTE [Who owns a forward pass]
@@ -102,31 +85,15 @@ class OffloadSynchronizer:
         max_host_bytes: int | None = None,
     ) -> None:
         _check_model_layers(num_layers)
-        _check_limits(min_offload_bytes, max_host_bytes)
-        if offload_stream is not None and not isinstance(offload_stream, Stream):
-            raise TypeError(
-                "cpu_offload: offload_stream must be a stream of the device (such as "
-                f"torch.cuda.Stream()), got {type(offload_stream).__name__} {offload_stream!r}. "
-                "Pass None to let the offloader create one."
-            )
-        if (
-            isinstance(min_offload_numel, bool)
-            or not isinstance(min_offload_numel, int)
-            or min_offload_numel < 0
-        ):
-            raise ValueError(
-                f"cpu_offload: min_offload_numel must be an int >= 0, got {min_offload_numel!r}."
-            )
-        self.num_layers = num_layers
-        self.backend: DeviceBackend = get_backend(device)
-        self._offload_stream = offload_stream  # created at first use (see below)
-        self.stats = OffloadStats()
-        self.host_buffers = HostBufferPool(
-            self.backend, retain_pinned_cpu_buffers, max_host_bytes, self.stats
+        super().__init__(
+            retain_pinned_cpu_buffers,
+            offload_stream,
+            device=device,
+            min_offload_numel=min_offload_numel,
+            min_offload_bytes=min_offload_bytes,
+            max_host_bytes=max_host_bytes,
         )
-        self.min_offload_numel = min_offload_numel
-        self.min_offload_bytes = min_offload_bytes
-        self.copy_timer: CopyTimer | None = None  # set by benchmarks to time copies
+        self.num_layers = num_layers
         #: warn (once) when a whole forward pass moved nothing because of the threshold
         self.warn_if_nothing_moved = True
         self._forwarding = PerThread(_ForwardInProgress)
@@ -134,36 +101,10 @@ class OffloadSynchronizer:
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
         self._passes_lock = threading.Lock()
 
-    @property
-    def offload_stream(self) -> Any:
-        """The stream of all copies; created when first needed, so that it lives on
-        the device that is current then (after ``set_device(local_rank)``)."""
-        if self._offload_stream is None:
-            self._offload_stream = self.backend.new_stream()
-        return self._offload_stream
-
     # ------------------------------------------------------------ passes
 
-    #: what a layer reloaded on demand in its first backward tells the user to do
-    reload_advice = "Call the sync function on every layer's output to prefetch it."
-
     def _new_pass(self) -> ForwardPass:
-        def make_state(layer: int, name: str) -> OffloadableLayerState:
-            state = OffloadableLayerState(
-                self.offload_stream,
-                layer_index=layer,
-                backend=self.backend,
-                host_buffers=self.host_buffers,
-                min_offload_numel=self.min_offload_numel,
-                min_offload_bytes=self.min_offload_bytes,
-                stats=self.stats,
-                name=name,
-                copy_timer=self.copy_timer,
-            )
-            state.reload_advice = self.reload_advice
-            return state
-
-        forward_pass = ForwardPass(self.num_layers, make_state)
+        forward_pass = ForwardPass(self.num_layers, self.new_layer_state)
         with self._passes_lock:
             self._passes = [ref for ref in self._passes if ref() is not None]
             self._passes.append(weakref.ref(forward_pass))
@@ -328,15 +269,6 @@ class OffloadSynchronizer:
     def get_offloaded_total_size_mb(self) -> float:
         """MiB of offloaded data in host memory now, over all passes in flight."""
         return sum(p.get_offloaded_total_size_mb() for p in self.in_flight_passes())
-
-    def host_memory_stats(self) -> dict[str, int]:
-        """Host memory held for offloaded tensors (see :meth:`HostBufferPool.stats`).
-
-        ``reserved_bytes`` (held, in use or cached), ``in_use_bytes``,
-        ``requested_bytes``, ``peak_requested_bytes``, ``num_host_alloc`` and
-        ``num_host_free``.  ``host_buffers.empty_cache()`` frees the cached part.
-        """
-        return self.host_buffers.stats()
 
 
 def _check_offloaded_layers(layers: object, num_layers: int) -> list[int]:

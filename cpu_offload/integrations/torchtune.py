@@ -45,7 +45,8 @@ from typing import Any
 
 from torch import nn
 
-from ..chunked import DEFAULT_CHUNK_BYTES, ChunkedOffload
+from ..chunked import ChunkedOffload
+from ..context import mark_not_offload
 from ..layer_hooks import OffloadLayersHandle, find_layers, offload_layers
 
 __all__ = ["OffloadActivations", "OffloadLayersContext", "get_act_offloading_ctx_manager"]
@@ -69,19 +70,25 @@ class OffloadActivations(ChunkedOffload):
         min_offload_size: saved tensors of fewer bytes stay on the device (1024, as in
             torchtune); mapped to ``min_offload_bytes``.
         chunk_bytes, device, max_host_bytes, retain_pinned_cpu_buffers: as for
-            :class:`~cpu_offload.chunked.ChunkedOffload`.
+            :class:`~cpu_offload.chunked.ChunkedOffload` (by default chunks grow with the
+            forward: all but about an eighth of what it saves moves, from the first step).
+
+    Attributes:
+        param_storages: what :meth:`update_model_params` recorded (TRL's attribute).
 
     Example:
         >>> import torch
         >>> from cpu_offload.integrations.torchtune import OffloadActivations
         >>> model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
-        >>> ctx = OffloadActivations(chunk_bytes=2**16)
+        >>> ctx = OffloadActivations()
         >>> with ctx:
         ...     loss = model(torch.randn(64, 256, requires_grad=True)).sum()
         >>> loss.backward()
         >>> print(ctx.offload_synchronizer.stats)
         moved 3 tensors (0.19 MiB) to the host and 3 (0.19 MiB) back in 1 forward passes
     """
+
+    bytes_threshold_name = "min_offload_size"
 
     def __init__(
         self,
@@ -90,7 +97,7 @@ class OffloadActivations(ChunkedOffload):
         max_fwd_stash_size: int = 5,
         min_offload_size: int = 1024,
         *,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         device: Any = None,
         max_host_bytes: int | None = None,
         retain_pinned_cpu_buffers: bool = False,
@@ -114,6 +121,15 @@ class OffloadActivations(ChunkedOffload):
             max_host_bytes=max_host_bytes,
             retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
         )
+        self.param_storages: set[int] = set()
+
+    def update_model_params(self, model: nn.Module) -> None:
+        """TRL's call: keep ``model``'s parameters and buffers, and every tensor sharing
+        their storage, on the device.  Parameters and their views stay anyway; this also
+        keeps buffers (RoPE caches, masks, saved in slices by every layer) and records
+        the parameters' storages in :attr:`param_storages`."""
+        mark_not_offload(*model.parameters(), *model.buffers())
+        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
 class OffloadLayersContext:

@@ -551,6 +551,24 @@ def whole_forward_in_chunks(inplace: bool) -> Callable[[Offload], list]:
     return program
 
 
+def whole_forward_at_defaults(off: Offload) -> list[torch.Tensor]:
+    """OffloadActivations() as TRL's users write it: 2 KiB tensors (over its 1 KiB
+    min_offload_size), one of them saved by three ops in three chunks."""
+    ctx: Any = contextlib.nullcontext()
+    if off.k is not None:
+        ctx = OffloadActivations()
+        off.handles.append(ctx)
+    x, wq, wk, wv = leaf(32, 16), leaf(16, 16), leaf(16, 16), leaf(16, 16)
+    with ctx:
+        h = (x * 2).sin()
+        q = (h @ wq).tanh()  # h, then the product
+        k = (h @ wk).tanh()  # h again
+        v = (h @ wv).tanh()
+        out = (q * k + v).exp()
+    out.sum().backward()
+    return [x.grad, wq.grad, wk.grad, wv.grad]
+
+
 #: a policy with every choice for each k the rows run at (k layers offloaded); layer 1
 #: is checkpointed and offloaded in both
 POLICIES = {
@@ -734,6 +752,7 @@ PROGRAMS = {
     "min_offload_bytes": Row(byte_threshold),
     "OffloadActivations around a whole forward": Row(whole_forward_in_chunks(False)),
     "OffloadActivations, in-place after save": Row(whole_forward_in_chunks(True), match=MODIFIED),
+    "OffloadActivations at its defaults, a tensor in three chunks": Row(whole_forward_at_defaults),
     "whole forward, in-place then dropped, copied chunk": Row(
         whole_forward_inplace_then_dropped(1), match=MODIFIED
     ),
