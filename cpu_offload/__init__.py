@@ -12,17 +12,12 @@ The public API mirrors TransformerEngine's ``get_cpu_offload_context``::
 from __future__ import annotations
 
 from . import testing
-from .context import (
-    OffloadContext,
-    get_cpu_offload_context,
-    is_cpu_offload_enabled,
-    mark_activation_offload,
-    mark_not_offload,
-    start_offload,
-)
+from .autograd_hooks import is_cpu_offload_enabled
+from .context import OffloadContext, get_cpu_offload_context
 from .errors import CpuOffloadError, OffloadStateError
 from .layer_hooks import OffloadLayersHandle, offload_layers
 from .layer_state import LayerState, OffloadableLayerState
+from .marking import mark_activation_offload, mark_not_offload, start_offload
 from .stats import OffloadStats
 from .synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
 

@@ -16,7 +16,7 @@ import torch
 from .eager import eager
 
 if TYPE_CHECKING:
-    from .forward_pass import ForwardPass, _GraphToken
+    from .forward_pass import ForwardPass, GraphToken
     from .synchronizer import OffloadSynchronizer
 
 __all__ = ["BackwardHook", "queue_end_of_backward"]
@@ -48,7 +48,7 @@ class BackwardHook:
         self.synchronizer = synchronizer
         self.forward_pass = forward_pass
         self.layers = layers
-        self.token: _GraphToken = forward_pass.graph_token()
+        self.token: GraphToken = forward_pass.graph_token()
 
     @eager
     def __call__(self, grad_outputs: Any) -> None:

@@ -44,20 +44,27 @@ NOTE [A tensor saved in several chunks]
 
 from __future__ import annotations
 
-import contextvars
 import threading
 import warnings
 import weakref
 from typing import Any
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
-from .context import _active_depth, _forward_inside_backward, _saved_tensors_hooks_enabled
+from .autograd_hooks import (
+    ActiveToken,
+    enter_active,
+    forward_inside_backward,
+    leave_active,
+    pop_saved_tensor_hooks,
+    push_saved_tensor_hooks,
+    saved_tensor_hooks_enabled,
+)
 from .eager import eager
 from .engine import OffloadEngine
 from .errors import CpuOffloadError
-from .layer_state import LayerState, OffloadableLayerState, SharedHandle, unpack_saved
+from .handles import SharedHandle, unpack_saved
+from .layer_state import LayerState, OffloadableLayerState
 from .per_thread import PerThread
 from .selection import is_offloadable
 
@@ -152,8 +159,8 @@ class _Forward:
 
     def __init__(self) -> None:
         self.inert = False
-        self.hooks: saved_tensors_hooks | None = None
-        self.depth_token: contextvars.Token[int] | None = None
+        self.hooks = False  # the saved-tensor hooks are pushed
+        self.depth_token: ActiveToken[int] | None = None
         self.record: ChunkedForward | None = None
         self.chunk: OffloadableLayerState | None = None  # taking tensors now
         self.chunk_bytes = 0  # offloadable bytes it holds
@@ -235,12 +242,12 @@ class ChunkedOffload:
 
     def __enter__(self) -> ChunkedOffload:
         run = self._forward.value
-        if run.hooks is not None or run.inert:
+        if run.hooks or run.inert:
             raise CpuOffloadError(
                 "cpu_offload: the offload context was entered again before it was left; "
                 "enter it once around the forward (one `with` block per forward pass)."
             )
-        run.inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
+        run.inert = forward_inside_backward() or not saved_tensor_hooks_enabled()
         if run.inert:  # checkpoint recomputation, torch.func: nothing to offload
             return self
         engine = self.offload_synchronizer
@@ -248,10 +255,9 @@ class ChunkedOffload:
         run.copying, run.bytes_before, run.saved = None, 0, 0
         run.moved_before = engine.stats.tensors_offloaded
         self._open_chunk(after=None)
-        hooks = saved_tensors_hooks(self._push, unpack_saved)
-        hooks.__enter__()
-        run.hooks = hooks
-        run.depth_token = _active_depth.set(_active_depth.get() + 1)
+        push_saved_tensor_hooks(self._push, unpack_saved)
+        run.hooks = True
+        run.depth_token = enter_active()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
@@ -260,9 +266,9 @@ class ChunkedOffload:
             run.inert = False
             return
         if run.depth_token is not None:
-            _active_depth.reset(run.depth_token)
-        if run.hooks is not None:
-            run.hooks.__exit__(exc_type, exc, traceback)
+            leave_active(run.depth_token)
+        if run.hooks:
+            pop_saved_tensor_hooks()
         if exc_type is None:
             if run.copying is not None:
                 # The one before the last has had the last one's compute.
@@ -270,7 +276,8 @@ class ChunkedOffload:
             self._move_a_large_last_chunk(run)
             self._warn_if_nothing_moved(run)
         # (after an exception the partial graph owns the chunks, and frees them with it)
-        run.hooks = run.depth_token = run.chunk = run.copying = run.record = None
+        run.hooks = False
+        run.depth_token = run.chunk = run.copying = run.record = None
         run.seen = {}
 
     # -------------------------------------------------------------- chunks

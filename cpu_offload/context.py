@@ -1,9 +1,8 @@
-"""The public entry point: ``get_cpu_offload_context`` and the marking functions."""
+"""The public entry point: ``get_cpu_offload_context`` and the context it returns."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -11,12 +10,21 @@ from typing import Any, Literal, overload
 
 import torch
 
+from .autograd_hooks import (
+    ActiveToken,
+    checkpoint_forward_active,
+    enter_active,
+    forward_inside_backward,
+    leave_active,
+    pop_saved_tensor_hooks,
+    push_saved_tensor_hooks,
+    saved_tensor_hooks_enabled,
+    top_pack_hook,
+)
 from .backward_hook import BackwardHook
-from .device import get_backend
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
-from .layer_state import decompose, has_saving_protocol, unpack_saved
-from .marks import mark_storage_not_offload, set_mark
+from .handles import unpack_saved
 from .per_thread import PerThread
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .synchronizer import (
@@ -25,133 +33,7 @@ from .synchronizer import (
     OffloadSynchronizer,
 )
 
-__all__ = [
-    "OffloadContext",
-    "get_cpu_offload_context",
-    "is_cpu_offload_enabled",
-    "mark_activation_offload",
-    "mark_not_offload",
-    "start_offload",
-]
-
-# How many offload contexts are active in this thread (or asyncio task).
-_active_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "cpu_offload_active_depth", default=0
-)
-
-
-_hooks_disabled_warned = False
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks  # type: ignore[attr-defined]
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks  # type: ignore[attr-defined]
-
-
-def _saved_tensors_hooks_enabled() -> bool:
-    """False under torch.func transforms, which refuse saved-tensor hooks; warns once."""
-    global _hooks_disabled_warned
-    if torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
-        return True
-    if not _hooks_disabled_warned:
-        _hooks_disabled_warned = True
-        warnings.warn(
-            "cpu_offload: saved-tensor hooks are disabled here (torch.func transforms such "
-            "as torch.func.grad disable them), so these layers run without offloading. "
-            "This warning is shown once.",
-            stacklevel=4,
-        )
-    return False
-
-
-def is_cpu_offload_enabled() -> bool:
-    """Whether the calling thread is inside an active offload context."""
-    return _active_depth.get() > 0
-
-
-def _components(tensors: tuple[Any, ...]) -> list[torch.Tensor]:
-    """Plain tensors of the arguments; quantized objects contribute their components."""
-    found: list[torch.Tensor] = []
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        if has_saving_protocol(tensor):
-            components, obj = decompose(tensor)
-            found.extend(c for c in components if c is not None)
-            obj.restore_from_saved(components)
-        elif isinstance(tensor, torch.Tensor):
-            found.append(tensor)
-        else:
-            raise TypeError(f"cpu_offload: expected tensors, got {type(tensor).__name__}.")
-    return found
-
-
-def mark_not_offload(*tensors: Any) -> None:
-    """Keep these tensors on the device whenever they are saved for backward.
-
-    The mark is on the storage: views of a marked tensor (``mask.view(...)``,
-    ``mask.t()``) stay on the device too.  Quantized tensors (objects with
-    ``prepare_for_saving``) are marked component by component.
-
-    Example:
-        >>> import torch
-        >>> from cpu_offload import mark_not_offload
-        >>> mask = torch.ones(1024, 1024)
-        >>> mark_not_offload(mask)
-    """
-    for tensor in _components(tensors):
-        mark_storage_not_offload(tensor)
-
-
-def start_offload(*tensors: Any, offload_base_tensor: bool = False) -> None:
-    """Record, on the current stream, that these tensors are ready to be copied.
-
-    By default a saved tensor's copy waits for an event recorded when autograd
-    saved it; calling this earlier lets the copy start as soon as the tensor is
-    computed.  With ``offload_base_tensor=True`` a view is offloaded through its
-    base (for example ``q``, ``k``, ``v`` views of one ``qkv`` tensor are copied as
-    one tensor and come back as views with their strides).
-
-    Example:
-        >>> import torch
-        >>> from cpu_offload import start_offload
-        >>> qkv = torch.randn(4, 8, 3 * 64)
-        >>> q, k, v = qkv.chunk(3, dim=-1)
-        >>> start_offload(q, k, v, offload_base_tensor=True)
-    """
-    if torch.compiler.is_compiling():
-        # Marks on the tracer's tensors never reach the tensors the compiled graph
-        # saves; the warning about views says so when it fires.
-        return
-    # The backend of the active synchronizer is not known here; record on the
-    # backend of each tensor's device.
-    backends: dict[torch.device, Any] = {}
-    for tensor in _components(tensors):
-        fields: dict[str, Any] = {}
-        if tensor.device.type != "meta":  # a meta tensor (planning) has no stream
-            backend = backends.get(tensor.device)
-            if backend is None:
-                backend = backends[tensor.device] = get_backend(tensor.device)
-            fields["ready_event"] = backend.record_event()
-        if offload_base_tensor and tensor._base is not None:
-            fields["offload_base"] = True
-        set_mark(tensor, **fields)
-
-
-def mark_activation_offload(*tensors: Any) -> None:
-    """Accepted for compatibility with older callers; has no effect."""
-
-
-def _forward_inside_backward() -> bool:
-    """Whether a forward runs inside a backward pass (activation checkpoint recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _checkpoint_forward_active() -> bool:
-    """Whether torch.utils.checkpoint's saved-tensor hooks are the innermost ones now.
-
-    A layer whose offload hooks sit inside a checkpointed region must leave them
-    alone: the checkpoint saves nothing and recomputes in backward.
-    """
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+__all__ = ["OffloadContext", "get_cpu_offload_context"]
 
 
 class _LayerInProgress:
@@ -171,7 +53,7 @@ class _LayerInProgress:
         self.inside = False
         self.inert = False  # the current (or last) layer forward passes through
         self.hooks: Callable[[Any], Any] | None = None  # the pack hook pushed for the layer
-        self.depth_token: contextvars.Token[int] | None = None
+        self.depth_token: ActiveToken[int] | None = None
         # The pass and layer of the latest forward, for sync_fn. Weak: a pass belongs to
         # its graph. Strong from a layer's forward until its sync_fn hands the pass to the
         # layer's graph (a graph cut before the layer leaves no other owner).
@@ -231,7 +113,7 @@ class OffloadContext:
                 "Use one `with ctx:` block per layer, and call sync_fn on the layer's "
                 "output after the block."
             )
-        frame.inert = _forward_inside_backward() or not _saved_tensors_hooks_enabled()
+        frame.inert = forward_inside_backward() or not saved_tensor_hooks_enabled()
         if frame.inert:
             frame.inside = True
             return self
@@ -248,15 +130,15 @@ class OffloadContext:
             frame.last_pass = forward_pass.weak
             frame.unattached_pass = forward_pass
             frame.last_layer = layer
-            if synchronizer.layer_is_offloaded(layer) and not _checkpoint_forward_active():
+            if synchronizer.layer_is_offloaded(layer) and not checkpoint_forward_active():
                 pack = forward_pass.state(layer).push_tensor
-                _push_hooks(pack, unpack_saved)  # what saved_tensors_hooks does, inline
+                push_saved_tensor_hooks(pack, unpack_saved)
                 frame.hooks = pack
         except BaseException:
             frame.unattached_pass = None
             synchronizer.abort_forward()  # __exit__ will not run: leave no pass in progress
             raise
-        frame.depth_token = _active_depth.set(_active_depth.get() + 1)
+        frame.depth_token = enter_active()
         frame.inside = True
         return self
 
@@ -266,10 +148,10 @@ class OffloadContext:
         if frame.inert:
             return
         if frame.depth_token is not None:
-            _active_depth.reset(frame.depth_token)
+            leave_active(frame.depth_token)
             frame.depth_token = None
         if frame.hooks is not None:
-            _pop_hooks()
+            pop_saved_tensor_hooks()
             frame.hooks = None
         last_pass = frame.last_pass() if frame.last_pass is not None else None
         if last_pass is not None:
@@ -294,10 +176,8 @@ class OffloadContext:
         if not frame.inside:
             return True
         hooks = frame.hooks
-        if hooks is not None:
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if top is None or top[0] != hooks:
-                return False
+        if hooks is not None and top_pack_hook() != hooks:
+            return False
         self.__exit__(KeyboardInterrupt, None, None)
         return True
 

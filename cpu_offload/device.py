@@ -31,6 +31,7 @@ __all__ = [
     "Stream",
     "TimingEvent",
     "HostBackend",
+    "HostTimingEvent",
     "StreamBackend",
     "available_device_type",
     "device_name",
@@ -149,7 +150,7 @@ class DeviceBackend:
 
     def timing_event(self) -> TimingEvent:
         """An event that can measure elapsed time (``record``, ``elapsed_time``)."""
-        return _HostTimingEvent()
+        return HostTimingEvent()
 
     @contextlib.contextmanager
     def count_host_syncs(self) -> Iterator[list[int] | None]:
@@ -201,7 +202,7 @@ class _HostEvent:
         return True
 
 
-class _HostTimingEvent:
+class HostTimingEvent:
     """Wall-clock event: on the host, work is done when it is issued."""
 
     def __init__(self) -> None:

@@ -11,12 +11,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .layer_state import OffloadableLayerState
 
-__all__ = ["ForwardPass"]
+__all__ = ["ForwardPass", "GraphToken"]
 
 _pass_ids = itertools.count()
 
 
-class _GraphToken:
+class GraphToken:
     """Held by the backward hooks of a pass: alive while any hooked node of its graph is."""
 
     __slots__ = ("__weakref__",)
@@ -61,7 +61,7 @@ class ForwardPass:
         self.hooked_output: weakref.ref[torch.Tensor] | None = None
         self.hooked_layers: list[int] = []
         self._last_output: StorageWeakRef | None = None
-        self._token: weakref.ref[_GraphToken] | None = None
+        self._token: weakref.ref[GraphToken] | None = None
         #: a layer of the pass is inside the offload context now (entered, not left)
         self.layer_open = False
 
@@ -83,11 +83,11 @@ class ForwardPass:
         """One state per layer (made now where not made yet)."""
         return [self.state(layer) for layer in range(self.num_layers)]
 
-    def graph_token(self) -> _GraphToken:
+    def graph_token(self) -> GraphToken:
         """An object the backward hooks hold: alive while any hooked node of the graph is."""
         token = self._token() if self._token is not None else None
         if token is None:
-            token = _GraphToken()
+            token = GraphToken()
             self._token = weakref.ref(token)
         return token
 

@@ -14,21 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from .autograd_hooks import checkpoint_forward_active, forward_inside_backward
 from .checkpointing import checkpoint_forward
-from .context import (
-    OffloadContext,
-    _checkpoint_forward_active,
-    _forward_inside_backward,
-    get_cpu_offload_context,
-    mark_not_offload,
-)
+from .context import OffloadContext, get_cpu_offload_context
 from .errors import CpuOffloadError
+from .marking import mark_not_offload
 from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
 
-__all__ = ["LAYER_PATHS", "OffloadLayersHandle", "find_layers", "offload_layers"]
+__all__ = ["LAYER_PATHS", "OffloadLayersHandle", "find_layers", "offload_layers", "primary_tensor"]
 
 
-def _primary_tensor(output: Any) -> torch.Tensor | None:
+def primary_tensor(output: Any) -> torch.Tensor | None:
     """The tensor a layer hands to the next one: the output itself, or its first tensor
     (tuples, lists, mappings such as Hugging Face ``ModelOutput``, dataclasses)."""
     if isinstance(output, torch.Tensor):
@@ -42,7 +38,7 @@ def _primary_tensor(output: Any) -> torch.Tensor | None:
     else:
         return None
     for item in items:
-        found = _primary_tensor(item)
+        found = primary_tensor(item)
         if found is not None:
             return found
     return None
@@ -430,8 +426,8 @@ def offload_layers(
             count > 0
             and not handle._warned_checkpoint  # once per handle; nothing to check after
             and torch.is_grad_enabled()
-            and _checkpoint_forward_active()
-            and not _forward_inside_backward()
+            and checkpoint_forward_active()
+            and not forward_inside_backward()
             and synchronizer.layer_is_offloaded(positions[id(module)][0])
         ):
             handle._warn_inside_checkpoint(module)
@@ -459,7 +455,7 @@ def offload_layers(
             context.__exit__(exc_type, exc, traceback)
             return
         context.__exit__(None, None, None)
-        primary = _primary_tensor(output)
+        primary = primary_tensor(output)
         if primary is not None:
             sync_fn(primary)
 

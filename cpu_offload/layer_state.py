@@ -1,36 +1,11 @@
 """The per-layer state machine: the mechanism that copies a layer's saved tensors.
 
 A layer state only knows how to push, offload, release, reload and pop; when to do
-each is decided by a synchronizer (``synchronizer.py``).
-
-NOTE [Offload stream ordering]
-    push:    the device tensor is kept; the layer remembers the stream current at
-             its first push.  A tensor gets an event of its own only when
-             ``start_offload`` recorded one for it or another stream is current.
-    offload: one event recorded on the push stream covers every tensor pushed
-             there (the stream orders the layer's work); the offload stream waits
-             for it and for the tensors' own events before copying, so a copy never
-             reads a tensor that compute is still writing.
-    release: the compute stream waits for the offload finish event before the
-             device references are dropped; the caching allocator may hand that
-             memory to later compute work only after the copies have read it.
-    reload:  device tensors are allocated on the compute stream, then the offload
-             stream waits for the compute stream (the new memory may have been in
-             use by compute work just issued), then copies.  One event per layer.
-    pop:     the first pop of the layer on a stream makes that stream wait for the
-             reload event.
-    release all: the compute stream waits for copies still in flight (an offload
-             never released, reloads never popped) before dropping the tensors.
-
-NOTE [Lifetime of a layer's data]
-    The handles a pack hook returns share one :class:`_Lease` per layer and push
-    cycle; autograd holds the handles as long as the graph may still unpack them.
-    When the last handle dies (backward freed its saved tensors, or the graph was
-    dropped) the lease's finalizer waits for copies in flight and gives the host
-    buffers back to the pool.  Until then the host copies stay: after its backward
-    a layer drops its device tensors but keeps its host copies, so a second
-    backward through the same graph (``retain_graph=True``, ``create_graph=True``)
-    reloads it again.
+each is decided by a synchronizer (``synchronizer.py``).  It decides which saved
+tensors move (``selection.py``), hands back what the pack hook returns (``handles.py``)
+and takes the state machine's transitions; the data of its current push cycle, and the
+copies themselves, are a :class:`~cpu_offload.layer_data.LayerData` (NOTE [Offload
+stream ordering] there).
 
 NOTE [Saved tensors without their history]
     A layer holds the device tensors it was handed as aliases without autograd
@@ -63,7 +38,6 @@ NOTE [Version counter checks]
 from __future__ import annotations
 
 import enum
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -77,23 +51,25 @@ from .copy_timer import CopyTimer
 from .device import DeviceBackend, get_backend
 from .eager import eager
 from .errors import OffloadStateError
+from .handles import (
+    Decomposed,
+    Lease,
+    describe,
+    is_moved_handle,
+    kept_handle,
+    modified_error,
+    unpack_saved,
+    verbatim,
+)
 from .host_buffers import HostBufferPool
-from .marks import TensorMarks, marks_of, set_mark
+from .layer_data import LayerData
+from .marks import marks_of
+from .saving_protocol import decompose, has_saving_protocol
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL, NOT_DENSE, plain_kept_because, warn_not_dense
 from .stats import OffloadStats
-from .tensor_group import GroupLayout, TensorGroup, TensorGroupProcessor, offloads_through_base
+from .tensor_group import offloads_through_base
 
-__all__ = [
-    "TRANSITIONS",
-    "LayerState",
-    "OffloadableLayerState",
-    "SharedHandle",
-    "Transition",
-    "decompose",
-    "has_saving_protocol",
-    "is_moved_handle",
-    "unpack_saved",
-]
+__all__ = ["TRANSITIONS", "LayerState", "OffloadableLayerState", "Transition"]
 
 
 class LayerState(enum.Enum):
@@ -143,145 +119,11 @@ TRANSITIONS = {
     ),
 }
 
-
-def has_saving_protocol(obj: object) -> bool:
-    """Whether ``obj`` decomposes itself for saving (``prepare_for_saving``)."""
-    return callable(getattr(obj, "prepare_for_saving", None))
-
-
-def decompose(obj: Any) -> tuple[list[torch.Tensor | None], Any]:
-    """``obj``'s components and the emptied object that ``restore_from_saved`` refills
-    (a tensor is detached first, as autograd saves it)."""
-    saved: Any = obj.detach() if isinstance(obj, torch.Tensor) else obj
-    return saved.prepare_for_saving()
-
-
 _NOT_OFFLOADED = LayerState.NOT_OFFLOADED
 _OFFLOAD_FINISHED = LayerState.OFFLOAD_FINISHED
 _RELOAD_STARTED = LayerState.RELOAD_STARTED
 _Tensor = torch.Tensor
 _Parameter = Parameter
-_grad_enabled = torch.is_grad_enabled
-_set_grad_enabled = torch._C._set_grad_enabled
-
-
-def _without_grad(method: Callable[[], None]) -> None:
-    """``method()`` with grad mode off: a copy must not enter the graph (a host buffer
-    would keep it alive).  What ``torch.no_grad`` does, for a tenth of its cost, paid per
-    layer on the hooks' path."""
-    if not _grad_enabled():
-        method()
-        return
-    _set_grad_enabled(False)
-    try:
-        method()
-    finally:
-        _set_grad_enabled(True)
-
-
-def _modified_error(tensor_desc: str, found: int, expected: int, where: str) -> RuntimeError:
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: [{tensor_desc}] is at version {found}; expected version "
-        f"{expected} instead. (cpu_offload: {where}.) Hint: find the in-place operation "
-        "on this tensor after it was saved and make it out of place."
-    )
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    return f"{tensor.type()} {list(tensor.shape)}"
-
-
-#: per device, the empty tensor whose (absent) memory version keepers point at
-_NO_MEMORY: dict[torch.device, torch.Tensor] = {}
-
-
-def _version_keeper(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor that shares ``tensor``'s version counter and holds none of its memory
-    (NOTE [Version counter checks]): ``detach()`` shares the counter, and assigning
-    ``.data`` swaps the memory without touching the counter."""
-    keeper = tensor.detach()
-    device = tensor.device
-    empty = _NO_MEMORY.get(device)
-    if empty is None:
-        empty = _NO_MEMORY[device] = torch.empty(0, device=device)
-    keeper.data = empty
-    return keeper
-
-
-_NOT_WAITED = object()
-#: an empty list that is a tuple, and an empty dict that is read-only: see _reset_data
-_NONE_YET: list[Any] = cast(list, ())
-_NO_ENTRIES: dict[Any, Any] = cast(dict, types.MappingProxyType({}))
-
-
-class _Lease:
-    """Shared by the handles of one layer's push cycle; see NOTE [Lifetime of a layer's data]."""
-
-    __slots__ = ("layer", "__weakref__")
-
-    def __init__(self, layer: OffloadableLayerState) -> None:
-        self.layer = layer
-
-
-# NOTE [Handles]
-#     What the pack hook returns, and autograd holds until the unpack hook, is built
-#     once per saved tensor, so it is a plain tuple (a tuple costs a fifth of an object
-#     with an ``__init__``):
-#         ``(lease, index)``          a tensor the layer may copy: its lease and position;
-#         ``(tensor, version, layer)`` a tensor that stays where it is, without history,
-#                                     and its version at push (checked at unpack).
-#     Anything else the hook may return is an object of its own class (``_Decomposed``,
-#     ``_Verbatim``, ``SharedHandle``) or an object pushed by hand that is no tensor
-#     (itself), never a tuple.
-
-
-def _kept(tensor: torch.Tensor, layer: OffloadableLayerState) -> tuple:
-    """The handle of a tensor that stays: an output saved by its own node would hold
-    that node, so it is held without history (NOTE [Saved tensors without their
-    history]; ``is_leaf`` is False exactly when there is a ``grad_fn``)."""
-    return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, layer)
-
-
-def is_moved_handle(handle: object) -> bool:
-    """Whether ``handle`` (a pack hook's result) stands for a tensor the layer may copy."""
-    return type(handle) is tuple and len(handle) == 2
-
-
-class _Verbatim:
-    """A tuple pushed by hand, wrapped: a handle that is a tuple means a tensor."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-
-def _verbatim(obj: Any) -> Any:
-    """The handle of an object pushed that is no tensor: the object itself (unless a tuple)."""
-    return _Verbatim(obj) if isinstance(obj, tuple) else obj
-
-
-class SharedHandle:
-    """A handle to a tensor that another save already handed to a layer (NOTE [A tensor
-    saved in several chunks] in chunked.py): it unpacks that tensor without starting
-    the layer's first-pop prefetch."""
-
-    __slots__ = ("lease", "index")
-
-    def __init__(self, lease: _Lease, index: int) -> None:
-        self.lease = lease
-        self.index = index
-
-
-class _Decomposed:
-    """What the pack hook returns for an object saved as its components."""
-
-    __slots__ = ("parts", "obj")
-
-    def __init__(self, parts: list[Any], obj: Any) -> None:
-        self.parts = parts
-        self.obj = obj
 
 
 class OffloadableLayerState:
@@ -348,40 +190,11 @@ class OffloadableLayerState:
         self.generation = 0
         #: the most elements of a tensor kept only for being under ``min_offload_numel``
         self.largest_below_threshold = 0
-        self._lease: weakref.ref[_Lease] | None = None  # weak: handles own the lease
-        self._held_lease: _Lease | None = None  # strong: tensors pushed by hand
-        self._reset_data()
-
-    def _reset_data(self) -> None:
-        # The push cycle's lists are made by its first push of a tensor to copy
-        # (_new_lease): most layer states never have one, and an empty tuple costs
-        # nothing to make (appending to one would raise, as writing to _NO_ENTRIES).
-        self._pushed: list[torch.Tensor] = _NONE_YET  # device tensors as pushed, one per handle
-        # per pushed position once the device tensors are dropped: its version keeper
-        self._keepers: list[torch.Tensor] = _NONE_YET
-        self._ready: list[Any] = _NONE_YET  # per pushed position: its ready event, or None
-        self._versions: list[int] = _NONE_YET  # per pushed position: version at push
-        self._originals: list[weakref.ref[torch.Tensor]] = _NONE_YET  # per pushed position
-        # id(tensor) -> (weak tensor, its alias): one alias per tensor object
-        self._aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = _NO_ENTRIES
-        self._modified: dict[int, int] = _NO_ENTRIES  # pushed position -> version seen at copy
-        # Whether group processing has work: a view moves through its base, or a tensor
-        # was pushed twice.  Otherwise the pushed tensors are copied as they are.
-        self._grouped = False
-        self._layout: GroupLayout | None = None  # how to undo group processing
-        self._unique: list[torch.Tensor] = _NONE_YET  # after group processing, being copied
-        self._host: list[torch.Tensor | None] = _NONE_YET  # None: over max_host_bytes, stays
-        self._stay: list[torch.Tensor | None] = _NONE_YET  # per unique tensor: kept on the device
-        self._host_bytes = 0  # bytes of the host copies
-        self._reloaded: list[torch.Tensor] = _NONE_YET  # per pushed position, after reload
-        self._in_flight: list[Any] = _NONE_YET  # events of copies nobody has waited for
-        self._push_stream: Any = None  # current stream at the first push
-        self._push_stream_key: Any = None
-        self._reload_event: Any = None  # recorded after the layer's reload copies
-        self._reload_waited_on: Any = _NOT_WAITED  # stream key that waited for it
-        self._backward_done = False
-
-    # ---------------------------------------------------------------- guards
+        #: the current push cycle's data: made by its first push of a tensor to copy
+        #: (most layer states never have one), gone with its lease
+        self._data: LayerData | None = None
+        self._held_lease: Lease | None = None  # strong: tensors pushed by hand
+        self._backward_done = False  # the cycle's backward released the layer
 
     def _transition(self, operation: str) -> None:
         """Check ``operation`` against :data:`TRANSITIONS` and take it."""
@@ -407,12 +220,12 @@ class OffloadableLayerState:
             self._transition("push_tensor")  # raises
         kind = type(tensor)
         if kind is not _Tensor:
-            return _kept(tensor, self) if kind is _Parameter else self._push_other(tensor)
+            return kept_handle(tensor, self) if kind is _Parameter else self._push_other(tensor)
         numel = tensor.numel()
         if numel < self.min_offload_numel:  # the common reason, checked first
             if self.largest_below_threshold < numel and type(tensor._base) is not _Parameter:
                 self.largest_below_threshold = numel  # (a weight's view is no activation)
-            return _kept(tensor, self)
+            return kept_handle(tensor, self)
         marks = marks_of(tensor)
         reason = plain_kept_because(
             tensor, numel, self.backend.device, self.min_offload_bytes, marks
@@ -420,67 +233,42 @@ class OffloadableLayerState:
         if reason is not None:
             if reason is NOT_DENSE:
                 warn_not_dense(tensor)
-            return _kept(tensor, self)
+            return kept_handle(tensor, self)
+        data = self._data
+        if data is None:
+            lease = Lease(self)
+            data = self._new_cycle(lease)
+        else:
+            lease = cast(Lease, data.lease())  # alive: the data goes with it
         event = marks.ready_event if marks is not None else None
         if event is None:
             # Covered by the one event start_offload records on the push stream,
             # unless the tensor was saved while another stream was current.
             key = self.backend.current_stream_key()
-            if self._push_stream is None:
-                self._push_stream, self._push_stream_key = self.backend.current_stream(), key
-            elif key != self._push_stream_key:
+            if data.push_stream is None:
+                data.push_stream, data.push_stream_key = self.backend.current_stream(), key
+            elif key != data.push_stream_key:
                 event = self.backend.record_event()
-        lease = self._lease() if self._lease is not None else None
-        if lease is None:
-            lease = self._new_lease()
-        index = len(self._pushed)
-        self._versions.append(tensor._version)
+        index = len(data.pushed)
+        data.versions.append(tensor._version)
         original = weakref.ref(tensor)
-        self._originals.append(original)
+        data.originals.append(original)
         # What the layer holds: see NOTE [Saved tensors without their history].
         base = tensor._base
         if base is not None and offloads_through_base(tensor, marks):
-            alias = self._alias_view(tensor, base, marks)
+            alias = data.alias_view(index, tensor, base)
         else:
-            alias = self._alias_of(tensor, original)
-        self._pushed.append(alias)
-        self._ready.append(event)
+            alias = data.alias_of(tensor, original)
+        data.pushed.append(alias)
+        data.ready.append(event)
         return (lease, index)
 
-    def _new_lease(self) -> _Lease:
-        """The first push of a tensor to copy in this cycle: its lease and lists."""
-        self._pushed, self._ready, self._versions, self._originals = [], [], [], []
-        self._aliases, self._modified = {}, {}
-        lease = _Lease(self)
-        self._lease = weakref.ref(lease)
+    def _new_cycle(self, lease: Lease) -> LayerData:
+        """The first push of a tensor to copy in this cycle: its data, which goes when
+        ``lease`` does (the handles hold it)."""
+        data = self._data = LayerData(lease)
         weakref.finalize(lease, self._graph_released, self.generation).atexit = False
-        return lease
-
-    def _alias_view(
-        self, tensor: torch.Tensor, base: torch.Tensor, marks: TensorMarks | None
-    ) -> torch.Tensor:
-        """A view that moves through its base: the same view of the base's one alias."""
-        self._grouped = True
-        base_alias = self._alias_of(base, None)
-        view = base_alias.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
-        if marks is not None and marks.offload_base:
-            set_mark(view, offload_base=True)  # the group processing reads the mark
-        return view
-
-    def _alias_of(
-        self, tensor: torch.Tensor, ref: weakref.ref[torch.Tensor] | None
-    ) -> torch.Tensor:
-        """One alias without history per tensor object, so a tensor pushed twice is
-        copied once (group processing then has work); ``ref``: a weak reference to
-        ``tensor`` already made, if any."""
-        key = id(tensor)
-        entry = self._aliases.get(key)
-        if entry is not None and entry[0]() is tensor:
-            self._grouped = True
-            return entry[1]
-        alias = tensor if tensor.is_leaf and tensor._base is None else tensor.detach()
-        self._aliases[key] = (ref if ref is not None else weakref.ref(tensor), alias)
-        return alias
+        return data
 
     def push_by_hand(self, tensor: Any) -> Any:
         """Push a tensor that no pack hook saved (TransformerEngine's by-hand use).
@@ -489,7 +277,7 @@ class OffloadableLayerState:
         the caller keeps the handle, as TransformerEngine's layer state does.
         """
         handle = self.push_tensor(tensor)
-        self._held_lease = self._lease() if self._lease is not None else None
+        self._held_lease = self._data.lease() if self._data is not None else None
         return handle
 
     def _push_other(self, obj: Any) -> Any:
@@ -497,8 +285,8 @@ class OffloadableLayerState:
         if has_saving_protocol(obj):
             return self._push_decomposed(obj)
         if isinstance(obj, torch.Tensor):
-            return _kept(obj, self)  # subclasses stay (see selection.is_offloadable)
-        return _verbatim(obj)
+            return kept_handle(obj, self)  # subclasses stay (see selection.is_offloadable)
+        return verbatim(obj)
 
     def _push_decomposed(self, tensor: Any) -> Any:
         components, obj = decompose(tensor)
@@ -506,17 +294,22 @@ class OffloadableLayerState:
         if not any(is_moved_handle(part) for part in parts):
             # Nothing moved: keep the original object.
             obj.restore_from_saved(components)
-            return _kept(tensor, self) if isinstance(tensor, torch.Tensor) else _verbatim(tensor)
-        return _Decomposed(parts, obj)
+            if isinstance(tensor, torch.Tensor):
+                return kept_handle(tensor, self)
+            return verbatim(tensor)
+        return Decomposed(parts, obj)
 
     def pop_tensor(self, handle: Any) -> Any:
         """Give back what :meth:`push_tensor` took, on the device."""
         if not is_moved_handle(handle) or handle[0].layer is not self:
             return unpack_saved(handle)
-        return self._pop(handle[0], handle[1])
+        return self.pop_leased(handle[0], handle[1])
 
-    def _pop(self, lease: _Lease, index: int, prefetch: bool = True) -> torch.Tensor:
-        if self._lease is None or self._lease() is not lease:
+    def pop_leased(self, lease: Lease, index: int, prefetch: bool = True) -> torch.Tensor:
+        """The tensor pushed at ``index`` of the cycle of ``lease`` (the unpack of a
+        moved handle); ``prefetch``: run the first-pop callback (see ``on_first_pop``)."""
+        data = self._data
+        if data is None or data.lease() is not lease:
             raise OffloadStateError(
                 f"cpu_offload: a saved tensor of {self.name} was used after the layer's "
                 "data was released and the layer state reused for another forward pass. "
@@ -525,39 +318,39 @@ class OffloadableLayerState:
         if prefetch and self.on_first_pop is not None:
             callback, self.on_first_pop = self.on_first_pop, None
             callback()
-        pushed = self._pushed  # the aliases while held, else their version keepers
-        counter = pushed[index] if pushed else self._keepers[index]
-        if counter._version != self._versions[index]:
-            self._raise_modified(index, counter._version)
+        pushed = data.pushed  # the aliases while held, else their version keepers
+        counter = pushed[index] if pushed else data.keepers[index]
+        if counter._version != data.versions[index]:
+            self._raise_modified(data, index, counter._version)
         state = self.state
         if state is not _RELOAD_STARTED:
             if state is not _OFFLOAD_FINISHED:  # not copied, or being copied
-                return self._pushed[index]
+                return pushed[index]
             self._reload_on_demand()
         backend = self.backend
-        if self._reload_event is not None:
+        if data.reload_event is not None:
             key = backend.current_stream_key()
-            if key != self._reload_waited_on:  # once per layer and stream
-                backend.wait_event(backend.current_stream(), self._reload_event)
-                self._reload_waited_on = key
-        tensor = self._reloaded[index]
+            if key != data.reload_waited_on:  # once per layer and stream
+                backend.wait_event(backend.current_stream(), data.reload_event)
+                data.reload_waited_on = key
+        tensor = data.reloaded[index]
         if backend.checks_handoff:
             backend.before_handoff(tensor, self.name)
         return tensor
 
-    def _raise_modified(self, index: int, found: int) -> None:
+    def _raise_modified(self, data: LayerData, index: int, found: int) -> None:
         """Autograd's error for a saved tensor modified in place (NOTE [Version counter checks])."""
-        if index in self._modified:
+        if index in data.modified:
             where = "it was modified after it was saved by {} and before its copy to the host"
         else:
             where = "it was saved by {} and modified after that"
-        like = self._originals[index]()  # the user's tensor, else one of its shape
+        like = data.originals[index]()  # the user's tensor, else one of its shape
         if like is None:
-            like = self._pushed[index] if self._pushed else None
-        if like is None and self._reloaded:
-            like = self._reloaded[index]
-        desc = _describe(like) if like is not None else "a tensor"
-        raise _modified_error(desc, found, self._versions[index], where.format(self.name))
+            like = data.pushed[index] if data.pushed else None
+        if like is None and data.reloaded:
+            like = data.reloaded[index]
+        desc = describe(like) if like is not None else "a tensor"
+        raise modified_error(desc, found, data.versions[index], where.format(self.name))
 
     def _reload_on_demand(self) -> None:
         if not self._backward_done:  # a second backward reloads on demand by design
@@ -576,115 +369,26 @@ class OffloadableLayerState:
     def start_offload(self) -> None:
         """Queue device-to-host copies of the layer's tensors on the offload stream."""
         self._transition("start_offload")
-        self._aliases = _NO_ENTRIES  # no more pushes: only the lists hold the tensors now
-        if self._pushed:
-            _without_grad(self._start_copies_out)
-
-    def _start_copies_out(self) -> None:
-        pushed, ready, versions, backend = self._pushed, self._ready, self._versions, self.backend
-        # A tensor modified in place since its push will never be handed back (its
-        # unpack raises), but its copy must still be ordered after the modifying work.
-        for index, tensor in enumerate(pushed):
-            if tensor._version != versions[index]:
-                self._modified[index] = tensor._version
-                ready[index] = backend.record_event()
-        if self._grouped:
-            group = TensorGroupProcessor.process_before_offload(TensorGroup(pushed, ready))
-            unique, self._layout = group.tensor_list, group.aux
-        else:
-            unique = pushed  # one copy per pushed tensor, as it is
-        self._unique = unique
-        sizes = [t.nbytes for t in unique]
-        self._host = host = self.host_buffers.acquire(self.layer_index, unique, sizes)
-        stream = self.offload_stream
-        if self._push_stream is not None:  # covers every tensor pushed on that stream
-            backend.wait_event(stream, backend.record_event(self._push_stream))
-        waited: set[int] = set()
-        for event in ready:  # marked tensors, other streams, modified tensors
-            if event is not None and id(event) not in waited:
-                waited.add(id(event))
-                backend.wait_event(stream, event)
-        if self.host_buffers.max_bytes is not None and any(h is None for h in host):
-            # The pool is at max_host_bytes: what got no buffer stays on the device.
-            self._stay = [t if h is None else None for h, t in zip(host, unique)]
-            sizes = [n for n, h in zip(sizes, host) if h is not None]
-        self._host_bytes = sum(sizes)
-        hosts, sources = self._with_host(unique)
-        self._copy("d2h", hosts, sources)
-        self._in_flight = [backend.record_event(stream)]
-
-    def _with_host(
-        self, device_tensors: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The host buffers and the device tensors (one per unique tensor) of the tensors
-        that have a buffer: all of them, unless the pool was at ``max_host_bytes``."""
-        if not self._stay:
-            return cast(list[torch.Tensor], self._host), device_tensors
-        pairs = [(h, t) for h, t in zip(self._host, device_tensors) if h is not None]
-        return [h for h, _ in pairs], [t for _, t in pairs]
-
-    def _copy(self, direction: str, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        """The layer's copies in one direction on the offload stream: timed, counted."""
-        if not dsts:  # every tensor stayed (max_host_bytes)
-            return
-        stream, timer = self.offload_stream, self.copy_timer
-        start = timer.start(stream) if timer is not None else None
-        self.backend.copy_many(dsts, srcs, stream, self.name)
-        self.stats.count(direction, len(dsts), self._host_bytes)
-        if timer is not None:
-            timer.stop(direction, self._host_bytes, start, stream)
+        data = self._data
+        if data is not None:
+            data.aliases = {}  # no more pushes: only the lists hold the tensors now
+            if data.pushed:
+                data.copy_out(self)
 
     def release_activation_forward_gpu_memory(self) -> None:
         """Drop the device copies once the offload has read them."""
         self._transition("release_activation_forward_gpu_memory")
-        self._wait_for_copies()
-        self._drop_pushed()
-        self._unique = []
-
-    def _drop_pushed(self) -> None:
-        """Drop the device tensors as pushed, keeping their version counters (NOTE
-        [Version counter checks]); a tensor pushed twice has one keeper."""
-        pushed = self._pushed
-        if pushed and not self._keepers:
-            made: dict[int, torch.Tensor] = {}
-            keepers = []
-            for tensor in pushed:
-                keeper = made.get(id(tensor))
-                if keeper is None:
-                    keeper = made[id(tensor)] = _version_keeper(tensor)
-                keepers.append(keeper)
-            self._keepers = keepers
-        self._pushed = []
+        data = self._data
+        if data is not None:
+            data.wait_for_copies(self)
+            data.drop_pushed()
+            data.unique = []
 
     def start_reload(self) -> None:
         """Queue host-to-device copies on the offload stream, one event for the layer."""
         self._transition("start_reload")
-        if not self._host:
-            self._reloaded = []
-            return
-        _without_grad(self._start_copies_in)
-
-    def _start_copies_in(self) -> None:
-        backend, stream = self.backend, self.offload_stream
-        if self._stay:
-            targets = [
-                backend.empty_device(host) if host is not None else cast(torch.Tensor, kept)
-                for host, kept in zip(self._host, self._stay)
-            ]
-        else:
-            targets = backend.empty_device_many(cast(list[torch.Tensor], self._host))
-        backend.wait_stream(stream, backend.current_stream())
-        hosts, reloaded = self._with_host(targets)
-        self._copy("h2d", reloaded, hosts)
-        # One event for the layer: its first pop waits for every copy.
-        event = self._reload_event = backend.record_event(stream)
-        self._reload_waited_on = _NOT_WAITED
-        self._in_flight = [event]
-        if self._layout is None:
-            self._reloaded = targets
-        else:
-            group = TensorGroup(targets, [event] * len(targets), aux=self._layout)
-            self._reloaded = TensorGroupProcessor.process_after_reload(group).tensor_list
+        if self._data is not None:
+            self._data.copy_in(self)
 
     def release_all_memory(self) -> None:
         """Drop the layer's device tensors after its backward.
@@ -696,22 +400,23 @@ class OffloadableLayerState:
         back to ``NOT_OFFLOADED``.
         """
         self._held_lease = None  # what was pushed by hand lives as long as its handles now
-        if self._lease is None or self._lease() is None:
+        data = self._data
+        if data is None or data.lease() is None:
             self._drop_data()
             self.state = _NOT_OFFLOADED
             return
         if self.state is _NOT_OFFLOADED:
             return  # never copied: the device tensors live as long as the graph
-        self._wait_for_copies()
-        self._drop_pushed()
-        self._reloaded, self._unique = [], []
+        data.wait_for_copies(self)
+        data.drop_pushed()
+        data.reloaded, data.unique = [], []
         self._backward_done = True
         self.state = _OFFLOAD_FINISHED
 
     def _start_new_cycle(self) -> None:
         """A state reused for a new forward after its backward: the old graph's
         handles lose their data (popping one raises)."""
-        self._lease = self._held_lease = None
+        self._held_lease = None
         self._drop_data()
         self.generation += 1
         self.state = _NOT_OFFLOADED
@@ -720,7 +425,6 @@ class OffloadableLayerState:
         """Finalizer of the lease: no handle of this push cycle is left."""
         if generation != self.generation:
             return  # the state was reused since; that cycle's data is gone already
-        self._lease = None
         after_backward = self._backward_done or self.state is _RELOAD_STARTED
         self._drop_data()
         self.generation += 1
@@ -728,68 +432,33 @@ class OffloadableLayerState:
             self.state = _NOT_OFFLOADED
 
     def _drop_data(self) -> None:
-        if not self._versions:
-            return  # nothing was pushed to be copied since the last reset: nothing to drop
-        self._wait_for_copies()
-        self.host_buffers.release(self.layer_index, self._host)
-        self._reset_data()
-
-    def _wait_for_copies(self) -> None:
-        """The compute stream waits for copies in flight (see the NOTE above), once."""
-        if self._in_flight:
-            current = self.backend.current_stream()
-            for event in self._in_flight:
-                self.backend.wait_event(current, event)
-            self._in_flight = []
+        data, self._data = self._data, None
+        self._backward_done = False
+        if data is not None:
+            data.release(self)
 
     # -------------------------------------------------------------- queries
 
     def holds_data(self) -> bool:
         """Whether a push cycle's data is alive: handles autograd may still unpack, or
         tensors pushed by hand."""
-        return self._held_lease is not None or (
-            self._lease is not None and self._lease() is not None
-        )
+        data = self._data
+        return self._held_lease is not None or (data is not None and data.lease() is not None)
 
     def holds_storage(self, cdata: int) -> bool:
         """Whether a tensor pushed to be offloaded, not yet copied, lives in the storage
         ``cdata`` (a ``StorageWeakRef``'s)."""
-        return any(t.untyped_storage()._cdata == cdata for t in self._pushed)
+        data = self._data
+        return data is not None and any(t.untyped_storage()._cdata == cdata for t in data.pushed)
 
     @property
     def num_offloaded_tensors(self) -> int:
         """Distinct tensors copied (or to be copied) to the host."""
-        return sum(h is not None for h in self._host)
+        data = self._data
+        return 0 if data is None else sum(h is not None for h in data.host)
 
     def get_offloaded_total_size_mb(self) -> float:
         """MiB of this layer's data that sits in host memory now."""
-        if self.state is _NOT_OFFLOADED:
+        if self.state is _NOT_OFFLOADED or self._data is None:
             return 0.0
-        return self._host_bytes / 2**20
-
-
-@eager
-def unpack_saved(handle: Any) -> Any:
-    """The unpack hook: turn whatever a pack hook returned back into a tensor."""
-    if type(handle) is tuple:  # NOTE [Handles]
-        if len(handle) == 2:
-            lease, index = handle
-            return lease.layer._pop(lease, index)
-        tensor, version, layer = handle
-        if tensor._version != version:
-            raise _modified_error(
-                _describe(tensor),
-                tensor._version,
-                version,
-                f"the tensor was saved by {layer.name} and stayed on the device",
-            )
-        return tensor
-    if type(handle) is SharedHandle:
-        return handle.lease.layer._pop(handle.lease, handle.index, False)
-    if type(handle) is _Decomposed:
-        components = [None if part is None else unpack_saved(part) for part in handle.parts]
-        handle.obj.restore_from_saved(components)
-        return handle.obj
-    if type(handle) is _Verbatim:
-        return handle.obj
-    return handle
+        return self._data.host_bytes / 2**20

@@ -20,7 +20,8 @@ import torch
 from .engine import OffloadEngine
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
-from .layer_state import LayerState, OffloadableLayerState, unpack_saved
+from .handles import unpack_saved
+from .layer_state import LayerState, OffloadableLayerState
 from .marks import set_mark
 from .per_thread import PerThread
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL

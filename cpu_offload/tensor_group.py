@@ -9,7 +9,7 @@ storage offset and dtype that were pushed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,11 +42,15 @@ class TensorGroup:
             may be read (``None``: the layer's own event covers it); after reload, the
             event after which they are filled.
         aux: the :class:`GroupLayout` needed to undo group processing.
+        via_base: the positions of the views that move through their base, as the
+            layer decided when they were pushed; ``None``: decided by
+            :func:`offloads_through_base` when the group is processed.
     """
 
     tensor_list: list[torch.Tensor] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)
     aux: GroupLayout | None = None
+    via_base: set[int] | None = None
 
     def append(self, tensor: torch.Tensor, event: Any) -> int:
         self.tensor_list.append(tensor)
@@ -127,9 +131,14 @@ class TensorGroupProcessor:
         source_index: list[int] = []
         unique = TensorGroup()
         index_of: dict[int, int] = {}
-        for tensor, event in zip(group.tensor_list, group.events):
-            if tensor._base is not None and offloads_through_base(tensor):
-                base = tensor._base
+        via_base = group.via_base
+        for position, (tensor, event) in enumerate(zip(group.tensor_list, group.events)):
+            if (
+                position in via_base
+                if via_base is not None
+                else tensor._base is not None and offloads_through_base(tensor)
+            ):
+                base = cast(torch.Tensor, tensor._base)
                 offset = int(tensor.storage_offset() - base.storage_offset())
                 views.append((tensor.shape, tensor.stride(), offset))
                 tensor = base

@@ -47,12 +47,12 @@ def test_on_the_cpu_it_runs_what_it_can_and_says_what_it_did_not(capsys, tmp_pat
 
 
 def test_wrong_gradients_fail_and_the_exit_status_says_so(capsys, monkeypatch):
-    original = OffloadableLayerState._pop
+    original = OffloadableLayerState.pop_leased
 
-    def corrupting_pop(self, lease, index):
-        return original(self, lease, index) * 2  # a reload that brings back the wrong values
+    def corrupting_pop(self, lease, index, prefetch=True):
+        return original(self, lease, index, prefetch) * 2  # a reload bringing back wrong values
 
-    monkeypatch.setattr(OffloadableLayerState, "_pop", corrupting_pop)
+    monkeypatch.setattr(OffloadableLayerState, "pop_leased", corrupting_pop)
     assert check.main(["--device", "cpu"]) == 1
     status, detail = rows(capsys.readouterr().out)["gradients bit-identical on cpu"]
     assert status == check.FAIL and "k=1: " in detail and " differ" in detail

@@ -46,8 +46,8 @@ from typing import Any
 from torch import nn
 
 from ..chunked import ChunkedOffload
-from ..context import mark_not_offload
 from ..layer_hooks import OffloadLayersHandle, find_layers, offload_layers
+from ..marking import mark_not_offload
 
 __all__ = ["OffloadActivations", "OffloadLayersContext", "get_act_offloading_ctx_manager"]
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from ..layer_hooks import _primary_tensor
+from ..layer_hooks import primary_tensor
 from ..policy import checkpoint_hazards
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, PARAMETER, kept_because
 from ..tensor_group import TensorGroup, TensorGroupProcessor
@@ -198,7 +198,7 @@ def measure_layer(
     mode = _Attention(attention, fused_dropout)
     with FlopCounterMode(display=False) as forward_counter, mode, _record(saved):
         output = layer(*inputs, **(kwargs or {}))
-    primary = _primary_tensor(output)
+    primary = primary_tensor(output)
     if primary is None or primary.grad_fn is None:
         raise ValueError(
             "measure_layer: the layer's output has no tensor that requires grad; pass "

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..device import StreamBackend, _HostTimingEvent, override_host_backend
-from .simulator import SimulatedBackend, SimulatedEvent, SimulatedStream, _ComputeWatch
+from ..device import HostTimingEvent, StreamBackend, override_host_backend
+from .simulator import ComputeWatch, SimulatedBackend, SimulatedEvent, SimulatedStream
 
 __all__ = ["FLAVOURS", "SimulatedRuntime", "strict_runtime"]
 
@@ -47,7 +47,7 @@ class SimulatedTimingEvent(SimulatedEvent):
         super().record(stream)
         self.time = time.perf_counter()
 
-    elapsed_time = _HostTimingEvent.elapsed_time  # milliseconds from this event to ``end``
+    elapsed_time = HostTimingEvent.elapsed_time  # milliseconds from this event to ``end``
 
 
 class SimulatedRuntime:
@@ -159,6 +159,6 @@ def strict_runtime(flavour: str = "cuda") -> Iterator[SimulatedRuntime]:
         ('StreamBackend', 2)
     """
     runtime = SimulatedRuntime(flavour)
-    with override_host_backend(runtime.backend), _ComputeWatch(runtime.sim):
+    with override_host_backend(runtime.backend), ComputeWatch(runtime.sim):
         yield runtime
         runtime.sim.synchronize()

@@ -50,7 +50,13 @@ from ..device import DeviceBackend, Event, Stream, override_host_backend
 from ..errors import CpuOffloadError
 from ..tensor_group import is_dense
 
-__all__ = ["SimulatedBackend", "StreamCounters", "StreamHazardError", "strict_streams"]
+__all__ = [
+    "ComputeWatch",
+    "SimulatedBackend",
+    "StreamCounters",
+    "StreamHazardError",
+    "strict_streams",
+]
 
 _POISON_BYTE = 0xA5
 
@@ -278,7 +284,7 @@ class SimulatedEvent:
         return self.stream is None or self.stream.executed >= self.position
 
 
-class _ComputeWatch(TorchDispatchMode):
+class ComputeWatch(TorchDispatchMode):
     """Stamps writes of compute ops and checks them against queued copies."""
 
     def __init__(self, sim: SimulatedBackend) -> None:
@@ -523,6 +529,6 @@ def strict_streams() -> Iterator[SimulatedBackend]:
         2
     """
     sim = SimulatedBackend()
-    with override_host_backend(lambda: sim), _ComputeWatch(sim):
+    with override_host_backend(lambda: sim), ComputeWatch(sim):
         yield sim
         sim.synchronize()

@@ -7,8 +7,9 @@ import torch
 
 from cpu_offload import LayerState, OffloadableLayerState, OffloadStateError
 from cpu_offload.device import get_backend
+from cpu_offload.handles import unpack_saved
 from cpu_offload.host_buffers import HostBufferPool
-from cpu_offload.layer_state import TRANSITIONS, unpack_saved
+from cpu_offload.layer_state import TRANSITIONS
 
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 
@@ -136,7 +137,7 @@ def test_copies_stay_out_of_the_autograd_graph(streams):
     x = torch.randn(64, 8, requires_grad=True) * 2
     handle = state.push_tensor(x)
     state.start_offload()
-    assert not any(buffer.requires_grad for buffer in state._host)
+    assert not any(buffer.requires_grad for buffer in state._data.host)
     state.release_activation_forward_gpu_memory()
     state.start_reload()
     assert state.pop_tensor(handle).grad_fn is None

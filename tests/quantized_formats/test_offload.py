@@ -68,7 +68,7 @@ def test_data_components_offloaded_scales_stay(name):
     with ctx:
         out = layers[1](h)
     state = ctx.offload_synchronizer.layer_states[0]
-    host = state._host
+    host = state._data.host
     fp8 = [b for b in host if b.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
     columnwise = name.endswith("-col")
     assert len(fp8) == (2 if columnwise else 1)  # data (and its column-wise copy)
@@ -81,7 +81,8 @@ def test_data_components_offloaded_scales_stay(name):
 
 def test_rebuilt_tensor_is_bit_identical():
     from cpu_offload.device import get_backend
-    from cpu_offload.layer_state import OffloadableLayerState, unpack_saved
+    from cpu_offload.handles import unpack_saved
+    from cpu_offload.layer_state import OffloadableLayerState
 
     backend = get_backend("cpu")
     state = OffloadableLayerState(backend.new_stream(), backend=backend, min_offload_numel=0)

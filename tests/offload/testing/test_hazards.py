@@ -33,7 +33,7 @@ def train(layers, offloaded=None, inputs=(1,), retain=False, interleave=False):
 
 
 def test_hazard_pop_without_reload_wait(monkeypatch):
-    without_event_waits(monkeypatch, "_pop")
+    without_event_waits(monkeypatch, "pop_leased")
     layers = make_layers("mlp", 4, WIDTH, torch.float32)
     with pytest.raises(StreamHazardError, match="handed back to autograd while the copy"):
         with strict_streams():
@@ -44,8 +44,8 @@ def test_hazard_release_before_offload_finished(monkeypatch):
     original_release = OffloadableLayerState.release_activation_forward_gpu_memory
 
     def release_then_wait(self):
-        (finish_event,) = self._in_flight
-        self._in_flight = []  # forget the copies in flight
+        (finish_event,) = self._data.in_flight
+        self._data.in_flight = []  # forget the copies in flight
         original_release(self)  # drops the device tensors first ...
         self.backend.wait_event(self.backend.current_stream(), finish_event)  # ... waits after
 
@@ -130,7 +130,7 @@ def test_hazard_release_all_without_waiting_for_unpopped_reloads(monkeypatch):
 
     def release_without_wait(self):
         if self.state.name == "RELOAD_STARTED":
-            self._in_flight = []  # forget the reloads in flight
+            self._data.in_flight = []  # forget the reloads in flight
         return original(self)
 
     monkeypatch.setattr(OffloadableLayerState, "release_all_memory", release_without_wait)

@@ -49,7 +49,7 @@ def test_only_copies_run_on_a_side_stream():
 
 def test_a_reload_used_without_its_wait_is_a_hazard(monkeypatch):
     """StreamBackend reports no handoffs: the compute that reads the tensor catches it."""
-    without_event_waits(monkeypatch, "_pop")
+    without_event_waits(monkeypatch, "pop_leased")
     layers = make_layers("mlp", 4, 32, torch.float32)
     with pytest.raises(StreamHazardError, match="a wait for the copy's event is missing"):
         with strict_runtime("cuda"):
