@@ -90,6 +90,16 @@ def print_plan(plan: Plan, description: str) -> None:
         f"GiB ({layer.tensors_offloaded} copies), keeps {layer.kept_bytes / GIB:.3f} GiB "
         f"{dict(layer.kept_by_reason)}; attention measured as {layer.attention!r}"
     )
+    if layer.following is not None:
+        later = layer.following
+        print(
+            f"  layers 1 to L-1 (their input is the previous layer's output, laid out "
+            f"otherwise): save {later.saved_bytes / GIB:.3f} GiB, offload "
+            f"{later.offloaded_bytes / GIB:.3f} GiB ({later.tensors_offloaded} copies), "
+            f"{later.input_offloaded_bytes / GIB:.3f} GiB when checkpointed and offloaded"
+        )
+    if layer.unpredictable:
+        print(f"  NOT PREDICTED: {layer.unpredictable}")
     print(
         f"  {layer.forward_flops / 1e12:.2f} TFLOP forward, {layer.backward_flops / 1e12:.2f} "
         "TFLOP backward"
@@ -160,6 +170,8 @@ def host_bytes_per_rank(row: PlanRow) -> int:
 def to_json(plan: Plan, description: str) -> dict[str, object]:
     layer = dataclasses.asdict(plan.layer)
     layer.pop("saved")
+    if layer["following"] is not None:
+        layer["following"].pop("saved")
     return {
         "description": description,
         "layer": layer,

@@ -70,6 +70,8 @@ class LayerCosts:
         input_bytes: what a checkpointed layer keeps saved: its inputs.
         input_offloaded_bytes: what of those a checkpointed, offloaded layer copies.
         forward_s, backward_s: the layer's compute time.
+        following: the costs of the layers after the first, where they differ (their
+            input is the previous layer's output; NOTE [The layers after the first]).
     """
 
     saved_bytes: int
@@ -79,6 +81,7 @@ class LayerCosts:
     backward_s: float
     input_bytes: int = 0
     input_offloaded_bytes: int = 0
+    following: LayerCosts | None = None
 
     @classmethod
     def of(cls, layer: LayerProfile, device: DeviceProfile) -> LayerCosts:
@@ -90,7 +93,12 @@ class LayerCosts:
             backward_s=layer.backward_flops / device.flops_per_s,
             input_bytes=layer.input_bytes,
             input_offloaded_bytes=layer.input_offloaded_bytes,
+            following=None if layer.following is None else cls.of(layer.following, device),
         )
+
+    def per_layer(self, num_layers: int) -> list[LayerCosts]:
+        """The costs of each layer of a stack of ``num_layers``."""
+        return [self] + [self.following or self] * (num_layers - 1)
 
 
 def simulate(
@@ -137,8 +145,15 @@ def simulate_policy(
     reload_at = {layer: L - 1 - m + rank for rank, layer in enumerate(offloaded)}
     released_at = {at: layer for layer, at in release_at.items()}
     reloaded_at = {at: layer for layer, at in reload_at.items()}
-    saved = [costs.saved_bytes if c not in CHECKPOINTED else costs.input_bytes for c in policy]
-    moved = [costs.offloaded_bytes if c == OFFLOAD else costs.input_offloaded_bytes for c in policy]
+    each = costs.per_layer(L)
+    saved = [
+        each[j].saved_bytes if c not in CHECKPOINTED else each[j].input_bytes
+        for j, c in enumerate(policy)
+    ]
+    moved = [
+        each[j].offloaded_bytes if c == OFFLOAD else each[j].input_offloaded_bytes
+        for j, c in enumerate(policy)
+    ]
     compute = copies = waited = 0.0
     resident = [0] * L  # each layer's saved bytes on the device
     copy_done: dict[int, float] = {}
@@ -170,7 +185,7 @@ def simulate_policy(
             wait_for(copy_done[i])
             resident[i] = saved[i] - moved[i]
             actions.append(f"release {i}")
-        compute += costs.forward_s
+        compute += each[j].forward_s
         resident[j] = saved[j]
         note(f"fwd {j}", actions)
     end_of_forward = sum(resident)
@@ -189,15 +204,15 @@ def simulate_policy(
         if j in release_at:
             wait_for(reload_done[j])
         if policy[j] in CHECKPOINTED:
-            compute += costs.forward_s
-            recompute += costs.forward_s
-            resident[j] = costs.saved_bytes
+            compute += each[j].forward_s
+            recompute += each[j].forward_s
+            resident[j] = each[j].saved_bytes
             actions.append(f"recompute {j}")
-        compute += costs.backward_s
+        compute += each[j].backward_s
         note(f"bwd {j}", actions)
     resident[0] = 0
     note("end", ["release 0"])
-    baseline = L * (costs.forward_s + costs.backward_s)
+    baseline = sum(c.forward_s + c.backward_s for c in each)
     return PlanRow(
         k=m,
         end_of_forward_bytes=end_of_forward,

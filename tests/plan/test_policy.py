@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import random
@@ -80,12 +81,16 @@ def plan_offload_rows(c):
     ]
 
 
+@pytest.mark.parametrize("following", [False, True], ids=["alike", "first-differs"])
 @pytest.mark.parametrize("L", [2, 3, 6])
-def test_the_vectorized_model_is_the_reference_model(L):
+def test_the_vectorized_model_is_the_reference_model(L, following):
     random.seed(L)
     codes = policy_family(L)
     for _ in range(4):
         c = costs(random.choice([0, 20]), random.choice([3, 60]), random.choice([0, 3]))
+        if following:  # the layers after the first save and move otherwise
+            later = costs(random.choice([0, 30]), 40, random.choice([5, 40]), 1.5, 2.5)
+            c = dataclasses.replace(c, following=later)
         d2h, h2d = random.choice([10, 1000]), random.choice([10, 1000])
         many = simulate_many(codes, c, d2h, h2d)
         for index, row_codes in enumerate(codes):
