@@ -330,7 +330,11 @@ def _following_layers(
     if len(profiles) == 1 or _bytes_of(profiles[1]) == _bytes_of(first):
         return None, ""
     following = profiles[1]
-    if len(profiles) == 3 and _bytes_of(profiles[2]) != _bytes_of(following):
+    if (
+        len(profiles) == 3
+        and isinstance(given, torch.Tensor)
+        and _bytes_of(profiles[2]) != _bytes_of(following)
+    ):
         return following, (
             "layers 2 to L-1: the layer's output is laid out otherwise from layer to layer "
             f"(layer 2 receives shape {tuple(given.shape)}, stride {given.stride()}), so what "

@@ -131,5 +131,9 @@ def test_a_measured_profile_from_the_check_command(tmp_path):
 
 
 def test_plan_offload_refuses_a_bad_layer_count():
-    with pytest.raises(ValueError, match="num_layers must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"num_layers must be in 1..512, got 0 \(the plan"):
         plan_offload(layer_profile(), 0)
+    with pytest.raises(ValueError, match="num_layers must be in 1..512, got 100000"):
+        plan_offload(layer_profile(), 100_000)
+    with pytest.raises(TypeError, match="num_layers must be an int, got 4.0"):
+        plan_offload(layer_profile(), 4.0)
