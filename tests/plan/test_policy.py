@@ -374,19 +374,34 @@ def test_offloaded_layers_is_for_the_default_schedule():
         )
 
 
-def test_the_worked_example_of_the_docs_runs(capsys, monkeypatch):
-    """examples/memory_budget.py: the tables of docs/planning.md."""
+def test_the_worked_example_of_the_docs_runs(capsys, monkeypatch, tmp_path):
+    """examples/memory_budget.py: the tables and the plot of docs/planning.md."""
     import runpy
     import sys
     from pathlib import Path
 
-    monkeypatch.setattr(sys, "argv", ["memory_budget.py"])
-    runpy.run_path(
-        str(Path(__file__).parents[2] / "examples" / "memory_budget.py"), run_name="__main__"
-    )
+    example = str(Path(__file__).parents[2] / "examples" / "memory_budget.py")
+    missing = tmp_path / "img" / "memory_budget.png"
+    monkeypatch.setattr(sys, "argv", ["memory_budget.py", "--plot", str(missing)])
+    with pytest.raises(SystemExit) as exit_info:  # refused before the run, in one line
+        runpy.run_path(example, run_name="__main__")
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "expected a path in an existing folder" in captured.err
+    plot = tmp_path / "memory_budget.png"
+    argv = ["memory_budget.py"] + (["--plot", str(plot)] if has_matplotlib() else [])
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(example, run_name="__main__")
+    assert not has_matplotlib() or plot.stat().st_size > 1000
     out = capsys.readouterr().out
     assert "| 20 GiB | 7 O, 15 C, 10 K | +15.0% | k=22: +85% | +32% |" in out  # as documented
     assert out.count("(nothing fits; closest)") == 4  # 1.5 and 1 GiB, on both devices
+
+
+def has_matplotlib():
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def test_a_disabled_handle_neither_offloads_nor_checkpoints():
