@@ -144,7 +144,8 @@ def _cpu_runs_flash(
 
     def stand_in(tensor: torch.Tensor) -> torch.Tensor:
         last = tensor.stride(-1) if tensor.dim() else 1
-        storage = torch.empty(max(1, tensor.shape[-1] * max(1, last)), dtype=tensor.dtype)
+        size = max(1, tensor.shape[-1] * max(1, last))
+        storage = torch.empty(size, dtype=tensor.dtype, device="cpu")
         strides = (0,) * (tensor.dim() - 1) + (last,)
         return storage.as_strided(tensor.shape, strides)
 
