@@ -29,7 +29,7 @@ from torch import nn
 from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 
 from .bench.measure import measure_ceiling
-from .cli import Parser, device
+from .cli import Parser, device, output_file
 from .context import get_cpu_offload_context
 from .copy_timer import CopyTimer
 from .device import DeviceBackend, device_name, get_backend
@@ -339,7 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--device", type=device, help="cpu, cuda, npu, ... (default: the best available)"
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_file, help="also write the results as JSON"
+    )
     if importlib.util.find_spec("torch_npu") is not None:
         importlib.import_module("torch_npu")  # registers the NPU, found only once imported
     args = parser.parse_args(argv)

@@ -8,11 +8,21 @@ parser with :class:`Parser` and its numbers with the types below, so a wrong fla
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["Parser", "at_least", "device", "int_list", "positive_float"]
+__all__ = [
+    "Parser",
+    "at_least",
+    "device",
+    "int_in",
+    "int_list",
+    "output_file",
+    "plot_file",
+    "positive_float",
+]
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,6 +54,23 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     parse.__name__ = expected  # argparse names the type in some messages
+    return parse
+
+
+def int_in(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an int in ``minimum..maximum``."""
+    expected = f"an int in {minimum}..{maximum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            _flag_error(expected)(text)
+        if not minimum <= value <= maximum:
+            _flag_error(expected)(text)
+        return value
+
+    parse.__name__ = expected
     return parse
 
 
@@ -82,4 +109,42 @@ def device(text: str) -> str:
         get_backend(text)
     except (ValueError, RuntimeError) as error:
         raise argparse.ArgumentTypeError(str(error).removeprefix("cpu_offload: ")) from None
+    return text
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a path a file can be written to (checked before any run, so that
+    a long run does not end in an unwritable path): in an existing folder that may be
+    written to, and not a folder itself."""
+    folder = os.path.dirname(text) or "."
+    if os.path.isdir(text):
+        _flag_error("a file name, not a folder")(text)
+    if not os.path.isdir(folder):
+        _flag_error(f"a path in an existing folder ({folder!r} does not exist: create it first)")(
+            text
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        _flag_error(f"a path in a folder you may write to (not {folder!r})")(text)
+    return text
+
+
+def plot_formats() -> list[str] | None:
+    """The file name endings matplotlib can write (``png``, ``pdf``, ...), or None
+    without matplotlib."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def plot_file(text: str) -> str:
+    """An argparse type: :func:`output_file` whose name ends in a format matplotlib
+    writes (without matplotlib, any ending: the tool then says it is missing)."""
+    output_file(text)
+    formats = plot_formats()
+    ending = os.path.splitext(text)[1].lower().removeprefix(".")
+    if formats is not None and ending not in formats:
+        allowed = ", ".join(f".{f}" for f in formats)
+        _flag_error(f"a file name ending in one of {allowed}")(text)
     return text

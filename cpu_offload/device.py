@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import os
 import platform
 import sys
 import time
@@ -37,6 +38,7 @@ __all__ = [
     "device_name",
     "distributed_setup",
     "get_backend",
+    "host_memory_available",
     "override_host_backend",
     "supports_fp8_matmul",
 ]
@@ -177,6 +179,10 @@ class DeviceBackend:
     def reset_peak_memory_stats(self) -> None:
         return None
 
+    def memory_available(self) -> int | None:
+        """Bytes that may still be allocated on the device, or ``None`` where unknown."""
+        return None
+
 
 class _HostStream:
     """Stream of the host backend: work runs at once, so waits are no-ops."""
@@ -254,6 +260,11 @@ class HostBackend(DeviceBackend):
 
     def synchronize(self) -> None:
         return None
+
+    def memory_available(self) -> int | None:
+        """The host's available memory: ``MemAvailable`` of ``/proc/meminfo`` (Linux), or
+        its free pages where the system says, else ``None``."""
+        return host_memory_available()
 
 
 class StreamBackend(DeviceBackend):
@@ -378,6 +389,10 @@ class StreamBackend(DeviceBackend):
     def reset_peak_memory_stats(self) -> None:
         self._runtime.reset_peak_memory_stats(self.device)
 
+    def memory_available(self) -> int | None:
+        mem_get_info = getattr(self._runtime, "mem_get_info", None)
+        return None if mem_get_info is None else int(mem_get_info(self.device)[0])
+
 
 def _as_contiguous_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dst`` and ``src`` as contiguous 1-D views of the same memory, where they can be.
@@ -451,6 +466,7 @@ def check_device(device: torch.device | str) -> torch.device:
     Raises:
         ValueError: not a device string, or a device type without streams here.
         TypeError: neither a string nor a ``torch.device``.
+        RuntimeError: ``npu`` without torch_npu installed (the message says how to install it).
     """
     allowed = ", ".join(repr(t) for t in ("cpu",) + _STREAM_DEVICE_TYPES)
     if not isinstance(device, (str, torch.device)):
@@ -462,6 +478,9 @@ def check_device(device: torch.device | str) -> torch.device:
         parsed = torch.device(device)
     except RuntimeError:
         parsed = None
+        if str(device).split(":")[0] == "npu":  # torch knows 'npu' once torch_npu is imported
+            _runtime_module("npu")  # says torch_npu is missing, and how to install it
+            parsed = torch.device(device)
     if parsed is None or parsed.type not in ("cpu",) + _STREAM_DEVICE_TYPES:
         raise ValueError(
             f"cpu_offload: device={str(device)!r} is not a device this offloader can use: "
@@ -502,6 +521,21 @@ def distributed_setup(local_rank: int) -> tuple[str, torch.device]:
     device = torch.device(device_type, local_rank)
     _runtime_module(device_type).set_device(device)
     return _COLLECTIVES[device_type], device
+
+
+def host_memory_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of host memory available to a new allocation, or ``None`` where unknown."""
+    try:
+        with open(meminfo) as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def device_name(device: torch.device) -> str:

@@ -9,8 +9,7 @@ prediction of the schedule model; nothing is allocated.
 
 from __future__ import annotations
 
-import argparse
-
+from cpu_offload.cli import Parser, at_least, plot_file
 from cpu_offload.plan import measure_layer, plan_offload, simulate_policy
 from cpu_offload.plan.layers import preset_layer
 from cpu_offload.plan.policy_search import PolicySearch
@@ -93,9 +92,9 @@ def plot(results: dict[str, list[tuple[float, float, float, float]]], path: str)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--plot", metavar="PATH")
+    parser = Parser(prog="examples/memory_budget.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=at_least(1), default=8192)
+    parser.add_argument("--plot", metavar="PATH", type=plot_file, help="checked before the run")
     args = parser.parse_args()
     results = {}
     for device in ("h100", "910b"):

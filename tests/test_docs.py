@@ -46,3 +46,26 @@ def test_doc_block_runs(block):
 
 def test_there_are_doc_blocks():
     assert len(BLOCKS) >= 4
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_every_relative_link_and_image_of_the_docs_is_in_the_repository():
+    """A link to a file that is not tracked (an ignored plot, say) dangles on every checkout."""
+    import subprocess
+
+    tracked = set(
+        subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    )
+    dangling = []
+    for doc in DOCS:
+        for target in LINK.findall(doc.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path = (doc.parent / target).resolve().relative_to(ROOT).as_posix()
+            if path not in tracked and not any(t.startswith(path + "/") for t in tracked):
+                dangling.append(f"{doc.name}: {target}")
+    assert not dangling, dangling

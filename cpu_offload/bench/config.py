@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cli import Parser, at_least, device, int_list
+from ..cli import Parser, at_least, device, int_list, output_file, plot_file
 from ..models import DTYPES
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
@@ -129,8 +130,15 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         "valgrind's callgrind (repeatable on a loaded machine; CPU thread time without "
         "valgrind)",
     )
-    parser.add_argument("--json", default=None, help="write all figures to this file")
-    parser.add_argument("--plot", default=None, help="write a PNG with the plots")
+    parser.add_argument(
+        "--json", type=output_file, default=None, help="write all figures to this file"
+    )
+    parser.add_argument(
+        "--plot",
+        type=plot_file,
+        default=None,
+        help="write the plots to this file (.png, .pdf, ...)",
+    )
     args = parser.parse_args(argv)
     if args.count == "instructions" and args.preset != "hooks":
         parser.error(
@@ -152,14 +160,18 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     ):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
+    _check_shapes(parser, args, values)
     offload = values.pop("offload")
-    ks = offload if isinstance(offload, list) else [int(k) for k in str(offload).split(",") if k]
     layers = int(str(values["layers"]))
-    if any(not 0 < k < layers for k in ks):
-        parser.error(
-            f"--offload {','.join(map(str, ks))}: expected values in 1..{layers - 1} "
-            f"(--layers {layers}; the last layer is never offloaded)"
-        )
+    if isinstance(offload, list):  # --offload, as given
+        ks = offload
+        if any(not 0 < k < layers for k in ks):
+            parser.error(
+                f"--offload {','.join(map(str, ks))}: expected values in 1..{layers - 1} "
+                f"(--layers {layers}; the last layer is never offloaded)"
+            )
+    else:  # the preset's, those the layers allow
+        ks = [int(k) for k in str(offload).split(",") if k and int(k) < layers]
     modes: list[str] = []
     for mode in args.modes.split(","):
         known = mode in MODES or (mode.startswith("offload:") and mode[8:].isdigit())
@@ -167,6 +179,11 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
             parser.error(
                 f"--modes {args.modes}: unknown mode {mode!r}; expected a comma-separated "
                 f"list of {', '.join(MODES)} or offload:K"
+            )
+        if mode == "offload" and not ks and args.preset != "hooks":
+            parser.error(
+                f"--layers {layers}: the offload mode needs at least 2 layers (the last layer "
+                "is never offloaded); pass --layers 2 or more, or --modes without offload"
             )
         modes.extend(f"offload:{k}" for k in ks) if mode == "offload" else modes.append(mode)
     return BenchConfig(
@@ -182,3 +199,29 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         plot=args.plot,
         **values,  # type: ignore[arg-type]
     )
+
+
+def _check_shapes(parser: Parser, args: argparse.Namespace, values: dict[str, object]) -> None:
+    """Heads that divide the width, key-value heads that divide the heads, and heads of an
+    even width (rotary embeddings rotate pairs); the message names the flags given and
+    the preset's values that were not."""
+
+    def flag(name: str) -> str:
+        given = getattr(args, name.replace("-", "_")) is not None
+        value = values[name.replace("-", "_")]
+        return f"--{name} {value}" + ("" if given else f" (the {args.preset} preset's)")
+
+    def divides(part: str, whole: str) -> None:
+        if int(str(values[whole.replace("-", "_")])) % int(str(values[part.replace("-", "_")])):
+            if getattr(args, whole.replace("-", "_")) is None:  # only the part was given
+                parser.error(f"{flag(part)}: expected a divisor of {flag(whole)}")
+            parser.error(f"{flag(whole)}: expected a multiple of {flag(part)}")
+
+    divides("heads", "hidden")
+    divides("kv-heads", "heads")
+    hidden, heads = int(str(values["hidden"])), int(str(values["heads"]))
+    if (hidden // heads) % 2:
+        parser.error(
+            f"{flag('hidden')} over {flag('heads')}: heads of {hidden // heads} features; "
+            "expected an even number (rotary embeddings rotate pairs of features)"
+        )

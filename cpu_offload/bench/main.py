@@ -115,7 +115,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"torch intra-op threads: {threads} (--threads)", flush=True)
     if config.preset == "hooks":
         return _main_hooks(config)
-    results, ceiling, environment = run_benchmark(config)
+    too_large = _too_large(config)
+    if too_large:
+        return _usage_error(too_large)
+    try:
+        results, ceiling, environment = run_benchmark(config)
+    except RuntimeError as error:  # torch.OutOfMemoryError, or the CPU allocator's
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if not isinstance(error, torch.OutOfMemoryError) and not any(
+            words in first_line.lower() for words in OUT_OF_MEMORY
+        ):
+            raise
+        return _usage_error(
+            f"{_sizes(config)}: out of memory ({first_line}); use a smaller --seq, --batch, "
+            "--steps or --layers"
+        )
     print(
         f"\n{environment['device']} ({environment['device_name']}), torch "
         f"{environment['torch']}, preset {config.preset}: {config.layers} layers, hidden "
@@ -132,6 +146,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = write_plot(config.plot, results, title)
         print(f"plot not written: {reason}" if reason else f"plot written to {config.plot}")
     return 0
+
+
+#: how the CPU allocator and the accelerators' runtimes say they ran out of memory
+OUT_OF_MEMORY = ("out of memory", "not enough memory", "can't allocate memory")
+
+
+def _sizes(config: BenchConfig) -> str:
+    return (
+        f"--seq {config.seq} --batch {config.batch} --hidden {config.hidden} "
+        f"--layers {config.layers} --steps {config.steps}"
+    )
+
+
+def _usage_error(message: str) -> int:
+    """Bad sizes: one line, exit status 2, as the parser says a wrong flag."""
+    print(f"python -m cpu_offload.bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _too_large(config: BenchConfig) -> str | None:
+    """Why the run cannot fit in the device's available memory, before anything is
+    allocated: its inputs (all ``--steps`` of them are made first) and the saved
+    activations of one step without offload (the ``none`` mode), measured by the
+    planner's census on the meta device.  None when it may fit, or where the device does
+    not say what it has."""
+    from ..plan.census import measure_layer
+
+    backend = get_backend(config.device)
+    available = backend.memory_available()
+    if available is None:
+        return None
+    dtype = DTYPES[config.dtype]
+    layer_config = LlamaConfig(config.hidden, config.heads, config.kv_heads, config.ffn, 1)
+    x = torch.empty(config.batch, config.seq, config.hidden, device="meta", dtype=dtype)
+    cpu = backend.device.type == "cpu"
+    layer = measure_layer(
+        lambda: LlamaLayer(layer_config).to(dtype),
+        x,
+        min_offload_numel=0,
+        attention="cpu" if cpu else "flash",
+        fused_dropout=not cpu,
+    )
+    inputs = config.steps * x.numel() * x.element_size()
+    needed = inputs + config.layers * layer.saved_bytes
+    if needed <= available:
+        return None
+    gib = 2**30
+    return (
+        f"{_sizes(config)}: the run needs at least {needed / gib:.1f} GiB ({inputs / gib:.1f} "
+        f"GiB of inputs, {layer.saved_bytes / gib:.1f} GiB of activations per layer), and "
+        f"{backend.device} has {available / gib:.1f} GiB available; use a smaller --seq, "
+        "--batch, --steps or --layers"
+    )
 
 
 def _count_hooks(config: BenchConfig, argv: list[str]) -> int:

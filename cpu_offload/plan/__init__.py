@@ -7,6 +7,8 @@
   that predicts, for every k, activation memory and exposed copy time.
 - :func:`choose_policy` (``policy_search.py``): for a memory budget, keep, offload,
   checkpoint or checkpoint+offload per layer, the fastest mix that fits.
+- ``layers.py``, ``hf_llama.py``: the layers it measures (presets, a GPT layer, a Hugging
+  Face config's decoder layer, with or without transformers installed).
 - ``python -m cpu_offload.plan``: the same from the command line.
 """
 

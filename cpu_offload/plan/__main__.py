@@ -9,15 +9,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..cli import Parser, at_least, positive_float
+from ..cli import Parser, at_least, int_in, output_file, plot_file, positive_float
 from ..models import DTYPES
 from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .census import ATTENTIONS, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
-from .policy_search import PolicyPlan
+from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
 from .profiles import PROFILES, get_profile, with_flops
-from .schedule_model import Plan, PlanRow, plan_offload
+from .schedule_model import MAX_LAYERS, Plan, PlanRow, plan_offload
 
 GIB = 2**30
 PLAN_PRESETS = ["tiny", "llama8b-layer"]
@@ -51,7 +51,9 @@ def parser() -> Parser:
     parser.add_argument("--heads", type=at_least(1), default=32, help="--gpt only")
     parser.add_argument("--seq", type=at_least(1), default=None)
     parser.add_argument("--batch", type=at_least(1), default=None)
-    parser.add_argument("--layers", type=at_least(2), default=None, help="L (default: the model's)")
+    parser.add_argument(
+        "--layers", type=int_in(2, MAX_LAYERS), default=None, help="L (default: the model's)"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--gpt, HF")
     parser.add_argument("--attention", choices=ATTENTIONS, default="flash")
     parser.add_argument("--device", default="h100", help=f"{', '.join(PROFILES)}, or a JSON file")
@@ -66,8 +68,12 @@ def parser() -> Parser:
         default=None,
         help="GiB of saved activations: also choose keep/offload/checkpoint per layer",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="also plot memory and overhead per k")
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_file, help="also write the plan as JSON"
+    )
+    parser.add_argument(
+        "--plot", metavar="PATH", type=plot_file, help="also plot memory and overhead per k"
+    )
     return parser
 
 
@@ -90,6 +96,16 @@ def print_plan(plan: Plan, description: str) -> None:
         f"GiB ({layer.tensors_offloaded} copies), keeps {layer.kept_bytes / GIB:.3f} GiB "
         f"{dict(layer.kept_by_reason)}; attention measured as {layer.attention!r}"
     )
+    if layer.following is not None:
+        later = layer.following
+        print(
+            f"  layers 1 to L-1 (their input is the previous layer's output, laid out "
+            f"otherwise): save {later.saved_bytes / GIB:.3f} GiB, offload "
+            f"{later.offloaded_bytes / GIB:.3f} GiB ({later.tensors_offloaded} copies), "
+            f"{later.input_offloaded_bytes / GIB:.3f} GiB when checkpointed and offloaded"
+        )
+    if layer.unpredictable:
+        print(f"  NOT PREDICTED: {layer.unpredictable}")
     print(
         f"  {layer.forward_flops / 1e12:.2f} TFLOP forward, {layer.backward_flops / 1e12:.2f} "
         "TFLOP backward"
@@ -167,6 +183,8 @@ def host_bytes_per_rank(row: PlanRow) -> int:
 def to_json(plan: Plan, description: str) -> dict[str, object]:
     layer = dataclasses.asdict(plan.layer)
     layer.pop("saved")
+    if layer["following"] is not None:
+        layer["following"].pop("saved")
     return {
         "description": description,
         "layer": layer,
@@ -261,12 +279,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli.error(f"--hidden {args.hidden}: expected a multiple of --heads {args.heads}")
     try:
         device = with_flops(get_profile(args.device), args.flops)
-    except (ValueError, OSError) as error:
+    except (ValueError, TypeError, OSError) as error:
         cli.error(f"--device {args.device}: {error}")
     try:
         spec = layer_spec(args)
     except (ValueError, OSError) as error:
         cli.error(str(error))
+    num_layers = args.layers or spec.num_layers or GPT_LAYERS
+    if num_layers > MAX_LAYERS:
+        cli.error(
+            f"--hf-config {args.hf_config}: the model has {num_layers} layers, and a plan takes "
+            f"at most {MAX_LAYERS}; pass --layers 2..{MAX_LAYERS}"
+        )
+    if args.memory_budget is not None and num_layers > MAX_SEARCH_LAYERS:
+        cli.error(
+            f"--memory-budget {args.memory_budget:g}: the policy search takes at most "
+            f"{MAX_SEARCH_LAYERS} layers, not {num_layers} (its family of policies grows as "
+            f"L^3); pass --layers 2..{MAX_SEARCH_LAYERS}, or leave out --memory-budget"
+        )
+    if args.memory_budget is not None and num_layers > 64:
+        print(f"searching policies of {num_layers} layers: a minute or more ...", flush=True)
     profile = measure_layer(
         spec.make_layer,
         spec.inputs,
@@ -278,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
     plan = plan_offload(
         profile,
-        args.layers or spec.num_layers or GPT_LAYERS,
+        num_layers,
         device,
         overhead_budget=args.overhead,
         memory_budget=budget,

@@ -11,12 +11,14 @@ reports as offloaded are the bytes a real run's ``stats.bytes_offloaded`` counts
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -60,6 +62,11 @@ class LayerProfile:
         checkpoint_hazards: why recomputing the layer would change training
             (:func:`cpu_offload.policy.checkpoint_hazards`); the planner does not
             checkpoint a layer that has any.
+        following: what each layer after the first of a stack saves, when it differs
+            from this profile (None: the same).  Their input is the previous layer's
+            output, not the example input: a strided view of a larger tensor, say, which
+            moves through its base.  NOTE [The layers after the first]
+        unpredictable: empty, or which layers the plan could not predict, and why.
     """
 
     saved_bytes: int
@@ -77,6 +84,8 @@ class LayerProfile:
     input_tensors_offloaded: int = 0
     checkpoint_hazards: list[str] = field(default_factory=list)
     saved: list[tuple[tuple[int, ...], str, str]] = field(default_factory=list, repr=False)
+    following: LayerProfile | None = None
+    unpredictable: str = ""
 
 
 class _Attention(TorchFunctionMode):
@@ -106,6 +115,8 @@ class _Attention(TorchFunctionMode):
         mask, dropout = given.get("attn_mask"), given.get("dropout_p", 0.0)
         causal, scale = given.get("is_causal", False), given.get("scale")
         aten = torch.ops.aten
+        if self.attention == "cpu" and not _cpu_runs_flash(q, k, v, mask, dropout, causal, given):
+            return func(*args, **kwargs)  # the math implementation, as on the meta device
         if self.attention == "cpu":
             self.uncounted.append((q.shape, k.shape, v.shape))  # no FLOP formula for it
             return aten._scaled_dot_product_flash_attention_for_cpu(
@@ -121,6 +132,39 @@ class _Attention(TorchFunctionMode):
         return aten._scaled_dot_product_efficient_attention(
             q, k, v, mask.expand(q.shape[:-1] + k.shape[-2:-1]), True, dropout, causal, scale=scale
         )[0]
+
+
+def _cpu_runs_flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    causal: bool,
+    given: dict[str, Any],
+) -> bool:
+    """Whether ``scaled_dot_product_attention`` on the CPU runs its flash kernel for these
+    inputs (not with dropout, for one), asked of torch's own choice on stand-ins of their
+    shapes, dtypes and last strides (expanded: nothing of their size is allocated)."""
+
+    def stand_in(tensor: torch.Tensor) -> torch.Tensor:
+        last = tensor.stride(-1) if tensor.dim() else 1
+        size = max(1, tensor.shape[-1] * max(1, last))
+        storage = torch.empty(size, dtype=tensor.dtype, device="cpu")
+        strides = (0,) * (tensor.dim() - 1) + (last,)
+        return storage.as_strided(tensor.shape, strides)
+
+    choice = torch._fused_sdp_choice(
+        stand_in(q),
+        stand_in(k),
+        stand_in(v),
+        None if mask is None else stand_in(mask),
+        dropout,
+        causal,
+        scale=given.get("scale"),
+        enable_gqa=bool(given.get("enable_gqa", False)),
+    )
+    return bool(choice == SDPBackend.FLASH_ATTENTION.value)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -206,23 +250,118 @@ def measure_layer(
         )
     with FlopCounterMode(display=False) as backward_counter:
         primary.backward(torch.empty_like(primary))
-    checkpointed = _classify(
-        [t for t in inputs if isinstance(t, torch.Tensor)], layer, min_offload_numel
-    )
     extra_forward = sum(sdpa_flop_count(q, k, v) for q, k, v in mode.uncounted)
     extra_backward = sum(sdpa_backward_flop_count(q, q, k, v) for q, k, v in mode.uncounted)
-    return LayerProfile(
-        **_classify(saved, layer, min_offload_numel),
+    profile = LayerProfile(
+        **_census(saved, inputs, layer, min_offload_numel),
         forward_flops=forward_counter.get_total_flops() + extra_forward,
         backward_flops=backward_counter.get_total_flops() + extra_backward,
         attention=attention,
         min_offload_numel=min_offload_numel,
         description=description,
-        input_bytes=checkpointed["saved_bytes"],
-        input_offloaded_bytes=checkpointed["offloaded_bytes"],
-        input_tensors_offloaded=checkpointed["tensors_offloaded"],
         checkpoint_hazards=checkpoint_hazards(layer),
     )
+
+    def run(chained: list[Any]) -> tuple[dict[str, Any], Any]:
+        saved_again: list[torch.Tensor] = []
+        with _Attention(attention, fused_dropout), _record(saved_again):
+            result = layer(*chained, **(kwargs or {}))
+        return _census(saved_again, chained, layer, min_offload_numel), result
+
+    profile.following, profile.unpredictable = _following_layers(profile, inputs, output, run)
+    return profile
+
+
+# NOTE [The layers after the first]
+# A stack's first layer receives the example input (the embeddings' output, a tensor of
+# its own); every later layer receives the output of the layer before it.  Where that
+# output is laid out otherwise (a strided view of a larger tensor, say), what a layer
+# saves of its input moves otherwise: a view that cannot be copied by itself moves
+# through its base (tensor_group.offloads_through_base), as a checkpointed layer's input
+# or as what its first operation saves.  So measure_layer runs the layer again on its own
+# output, the input of layers 1 to L-1, and keeps that census as ``following`` where it
+# differs; the schedule model counts layer 0 with the first census and the others with
+# ``following``.  If that run's output is laid out otherwise again, layer 2 is measured
+# as well, and where it differs from layer 1 the plan says it cannot predict layers 2 to
+# L-1 (``unpredictable``) instead of counting them silently as layer 1.
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What of a layer's input decides how the offloader moves what is saved of it."""
+    base = tensor._base
+    return (
+        tensor.shape,
+        tensor.dtype,
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.untyped_storage().nbytes(),
+        None if base is None else (base.shape, base.stride(), base.storage_offset()),
+    )
+
+
+def _bytes_of(profile: LayerProfile) -> tuple[int, ...]:
+    return (
+        profile.saved_bytes,
+        profile.offloaded_bytes,
+        profile.kept_bytes,
+        profile.tensors_offloaded,
+        profile.input_bytes,
+        profile.input_offloaded_bytes,
+        profile.input_tensors_offloaded,
+    )
+
+
+def _following_layers(
+    first: LayerProfile,
+    inputs: list[Any],
+    output: Any,
+    run: Callable[[list[Any]], tuple[dict[str, Any], Any]],
+) -> tuple[LayerProfile | None, str]:
+    """``following`` and ``unpredictable`` of a :class:`LayerProfile` (NOTE [The layers
+    after the first]): the census of the layer on its own output, where it differs."""
+    profiles = [first]
+    given = inputs[0] if inputs else None
+    for _ in range(2):  # layers 1 and 2
+        passed_on = primary_tensor(output)
+        if (
+            not isinstance(given, torch.Tensor)
+            or passed_on is None
+            or (passed_on.shape, passed_on.dtype) != (given.shape, given.dtype)
+        ):
+            break  # not a stack of this layer: its inputs are the example's
+        if _layout(passed_on) == _layout(given):
+            break  # the same input as the layer before: the same census
+        census, output = run([passed_on, *inputs[1:]])
+        profiles.append(dataclasses.replace(first, **census))
+        given = passed_on
+    if len(profiles) == 1 or _bytes_of(profiles[1]) == _bytes_of(first):
+        return None, ""
+    following = profiles[1]
+    if (
+        len(profiles) == 3
+        and isinstance(given, torch.Tensor)
+        and _bytes_of(profiles[2]) != _bytes_of(following)
+    ):
+        return following, (
+            "layers 2 to L-1: the layer's output is laid out otherwise from layer to layer "
+            f"(layer 2 receives shape {tuple(given.shape)}, stride {given.stride()}), so what "
+            f"they save differs from layer 1 ({profiles[2].offloaded_bytes} B offloaded "
+            f"against {following.offloaded_bytes} B); the plan counts them as layer 1"
+        )
+    return following, ""
+
+
+def _census(
+    saved: list[torch.Tensor], inputs: list[Any], layer: torch.nn.Module, min_numel: int
+) -> dict[str, Any]:
+    """The census fields of a :class:`LayerProfile`: what the layer saves, and what it
+    keeps saved when checkpointed (its positional tensor inputs)."""
+    checkpointed = _classify([t for t in inputs if isinstance(t, torch.Tensor)], layer, min_numel)
+    return _classify(saved, layer, min_numel) | {
+        "input_bytes": checkpointed["saved_bytes"],
+        "input_offloaded_bytes": checkpointed["offloaded_bytes"],
+        "input_tensors_offloaded": checkpointed["tensors_offloaded"],
+    }
 
 
 def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int) -> dict[str, Any]:

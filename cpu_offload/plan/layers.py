@@ -21,6 +21,7 @@ from ..bench.config import PRESETS
 from ..layer_hooks import find_layers
 from ..models import DTYPES
 from ..models.llama import LlamaConfig, LlamaLayer
+from .hf_llama import DecoderLayer, check_sizes, layer_inputs, llama_shape
 
 __all__ = ["GptLayer", "LayerSpec", "gpt_layer", "hf_layer", "preset_layer"]
 
@@ -113,8 +114,9 @@ def gpt_layer(
 def check_hf_config(config_source: str) -> tuple[str, dict[str, Any] | None]:
     """Where transformers should read ``config_source`` from, and the config when it is
     a local file, after checking what can be checked without transformers: a local
-    ``config.json`` (or a folder holding one) must exist and be a JSON object with
-    ``model_type``; anything else is a cached model name, which needs transformers.
+    JSON file (``config.json``, or any file ending in ``.json``; a folder stands for its
+    ``config.json``) must exist and be a JSON object with ``model_type`` whose sizes are
+    ints >= 1; anything else is a cached model name, which needs transformers.
 
     Raises:
         ValueError: a missing or malformed file, or a name without transformers installed.
@@ -135,7 +137,8 @@ def check_hf_config(config_source: str) -> tuple[str, dict[str, Any] | None]:
                 f"--hf-config {config_source}: expected a Hugging Face config.json, a JSON "
                 "object with a model_type field"
             )
-        return os.path.dirname(os.path.abspath(path)), config
+        check_sizes(config_source, config)
+        return os.path.abspath(path), config
     if importlib.util.find_spec("transformers") is None:
         raise ValueError(
             f"--hf-config {config_source}: not a local file; a model name is read from the "
@@ -145,46 +148,27 @@ def check_hf_config(config_source: str) -> tuple[str, dict[str, Any] | None]:
     return config_source, None
 
 
-#: model types whose decoder layer is cpu_offload's Llama layer, shape for shape
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-
-
 def llama_layer_from_config(
-    source: str, config: dict[str, Any], seq: int, batch: int, dtype: torch.dtype
+    source: str, config: dict[str, Any], seq: int, batch: int, dtype: torch.dtype, attention: str
 ) -> LayerSpec:
-    """A Llama-family ``config.json`` read without transformers: cpu_offload's Llama
-    layer (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) in its shapes.
+    """A Llama-family ``config.json`` read without transformers: its decoder layer as
+    transformers computes it (:mod:`cpu_offload.plan.hf_llama`), with the inputs the
+    model gives its first layer.
 
     Raises:
-        ValueError: another model type (its layer needs transformers), or missing fields.
+        ValueError: another model type (its layer needs transformers), or a config the
+            layer does not model.
     """
-    model_type = config.get("model_type")
-    if model_type not in LLAMA_FAMILY:
-        raise ValueError(
-            f"--hf-config {source}: model_type {model_type!r} needs transformers to build "
-            f"its layer (pip install transformers); without it the planner reads "
-            f"{', '.join(LLAMA_FAMILY)} configs"
-        )
-    try:
-        heads = int(config["num_attention_heads"])
-        llama = LlamaConfig(
-            hidden=int(config["hidden_size"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            ffn=int(config["intermediate_size"]),
-            layers=1,
-        )
-    except KeyError as missing:
-        raise ValueError(f"--hf-config {source}: the config has no {missing} field") from None
-    x = torch.empty(batch, seq, llama.hidden, device="meta", dtype=dtype)
+    shape = llama_shape(source, config)
+    implementation = "eager" if attention == "math" else "sdpa"
+    inputs, kwargs = layer_inputs(shape, seq, batch, dtype, implementation)
     return LayerSpec(
-        lambda: LlamaLayer(llama).to(dtype),
-        (x,),
-        {},
-        f"{source} ({model_type}, read without transformers: cpu_offload's Llama layer): "
-        f"hidden {llama.hidden}, heads {llama.heads}/{llama.kv_heads}, ffn {llama.ffn}, "
-        f"seq {seq}, batch {batch}, {str(dtype).removeprefix('torch.')}",
-        num_layers=int(config.get("num_hidden_layers") or 0) or None,
+        lambda: DecoderLayer(shape, implementation).to(dtype),
+        inputs,
+        kwargs,
+        f"{source} ({shape.model_type}, read without transformers): {shape.describe()}, "
+        f"seq {seq}, batch {batch}, {dtype}, attn_implementation {implementation}",
+        num_layers=shape.layers,
     )
 
 
@@ -204,21 +188,40 @@ def hf_layer(
     """
     source, local = check_hf_config(config_source)
     if local is not None and importlib.util.find_spec("transformers") is None:
-        return llama_layer_from_config(config_source, local, seq, batch, dtype)
+        return llama_layer_from_config(config_source, local, seq, batch, dtype, attention)
     import transformers  # the planner's optional host
     from transformers import masking_utils
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if local is not None and local["model_type"] not in CONFIG_MAPPING:
+        raise ValueError(
+            f"--hf-config {config_source}: model_type {local['model_type']!r} is not one this "
+            f"transformers ({transformers.__version__}) knows"
+        )
     try:
-        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError) as error:
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if local is not None:  # this file, whatever its name (not its folder's config.json)
+            config = CONFIG_MAPPING[local["model_type"]].from_dict(local)
+        else:
+            config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        if local is not None:
+            raise ValueError(
+                f"--hf-config {config_source}: transformers refuses the config: "
+                f"{_first_line(error)}"
+            ) from None
         raise ValueError(
             f"--hf-config {config_source}: neither a local config.json nor a model in the "
-            f"Hugging Face cache (nothing is downloaded): {first_line}"
+            f"Hugging Face cache (nothing is downloaded): {_first_line(error)}"
         ) from None
     config._attn_implementation = "eager" if attention == "math" else "sdpa"
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as error:  # noqa: BLE001 - any refusal of the user's config, said in one line
+        raise ValueError(
+            f"--hf-config {config_source}: transformers cannot build the model: "
+            f"{type(error).__name__}: {_first_line(error)}"
+        ) from None
     layer = find_layers(model)[0]
     captured: dict[str, Any] = {}
 
@@ -264,6 +267,11 @@ def _fresh_caches(layer: nn.Module, values: list[Any], cache_type: type) -> None
 
     if empty:
         layer.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class _Captured(Exception):

@@ -10,6 +10,7 @@ the machine itself, and should be preferred.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,10 +39,20 @@ class DeviceProfile:
     source: str = "given"
 
     def __post_init__(self) -> None:
-        for field_name in ("link_bytes_per_s", "flops_per_s"):
+        for field_name in ("link_bytes_per_s", "flops_per_s", "h2d_bytes_per_s"):
             value = getattr(self, field_name)
-            if not value > 0:
-                raise ValueError(f"DeviceProfile: {field_name} must be positive, got {value!r}.")
+            if value is None and field_name == "h2d_bytes_per_s":
+                continue  # the link's figure, both ways
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"DeviceProfile: {field_name} must be a number of "
+                    f"{'FLOP' if field_name == 'flops_per_s' else 'bytes'} per second, got "
+                    f"{type(value).__name__} {value!r}."
+                )
+            if not 0 < value < math.inf:  # NaN fails too
+                raise ValueError(
+                    f"DeviceProfile: {field_name} must be a finite number > 0, got {value!r}."
+                )
 
     @property
     def d2h(self) -> float:
@@ -57,13 +68,27 @@ class DeviceProfile:
         benchmark's ``--json``: the link as measured there; the FLOP rate given, or the
         built-in profile's whose name appears in the recorded device name."""
         document = json.loads(Path(path).read_text())
-        environment = document.get("environment", {})
+
+        def mapping(value: object, what: str) -> dict:
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"DeviceProfile.from_json: {path}: expected {what} to be a JSON object, got "
+                    f"{type(value).__name__}; pass the --json file of `python -m "
+                    "cpu_offload.check` or of the benchmark."
+                )
+            return value
+
+        document = mapping(document, "the file")
+        environment = mapping(document.get("environment", {}), "'environment'")
         d2h = h2d = None
         if "ceiling_bytes_per_s" in document:  # the benchmark
-            d2h = document["ceiling_bytes_per_s"].get("d2h")
-            h2d = document["ceiling_bytes_per_s"].get("h2d")
-        for row in document.get("checks", []):  # the check command
-            figures = row.get("figures", {})
+            ceiling = mapping(document["ceiling_bytes_per_s"], "'ceiling_bytes_per_s'")
+            d2h, h2d = ceiling.get("d2h"), ceiling.get("h2d")
+        checks = document.get("checks", [])
+        if not isinstance(checks, list):
+            raise ValueError(f"DeviceProfile.from_json: {path}: expected 'checks' to be a list.")
+        for row in checks:  # the check command
+            figures = mapping(mapping(row, "each of 'checks'").get("figures", {}), "'figures'")
             d2h = figures.get("d2h_bytes_per_s", d2h)
             h2d = figures.get("h2d_bytes_per_s", h2d)
         if not d2h or not h2d:
@@ -83,9 +108,9 @@ class DeviceProfile:
                 )
             flops_per_s = known[0].flops_per_s
         return cls(
-            link_bytes_per_s=float(d2h),
-            flops_per_s=float(flops_per_s),
-            h2d_bytes_per_s=float(h2d),
+            link_bytes_per_s=d2h,
+            flops_per_s=flops_per_s,
+            h2d_bytes_per_s=h2d,
             name=f"measured ({device_name or 'unknown device'})",
             source=str(path),
         )

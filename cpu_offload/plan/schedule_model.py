@@ -31,7 +31,19 @@ from .profiles import DeviceProfile, get_profile
 if TYPE_CHECKING:
     from .policy_search import PolicyPlan
 
-__all__ = ["LayerCosts", "Plan", "PlanRow", "plan_offload", "simulate", "simulate_policy"]
+__all__ = [
+    "MAX_LAYERS",
+    "LayerCosts",
+    "Plan",
+    "PlanRow",
+    "plan_offload",
+    "simulate",
+    "simulate_policy",
+]
+
+#: the most layers a plan takes: well above any model's (the largest have about 130), and
+#: a table of every k that stays within seconds (it runs the model once per k: L^2 steps)
+MAX_LAYERS = 512
 
 
 @dataclass
@@ -70,6 +82,8 @@ class LayerCosts:
         input_bytes: what a checkpointed layer keeps saved: its inputs.
         input_offloaded_bytes: what of those a checkpointed, offloaded layer copies.
         forward_s, backward_s: the layer's compute time.
+        following: the costs of the layers after the first, where they differ (their
+            input is the previous layer's output; NOTE [The layers after the first]).
     """
 
     saved_bytes: int
@@ -79,6 +93,7 @@ class LayerCosts:
     backward_s: float
     input_bytes: int = 0
     input_offloaded_bytes: int = 0
+    following: LayerCosts | None = None
 
     @classmethod
     def of(cls, layer: LayerProfile, device: DeviceProfile) -> LayerCosts:
@@ -90,7 +105,12 @@ class LayerCosts:
             backward_s=layer.backward_flops / device.flops_per_s,
             input_bytes=layer.input_bytes,
             input_offloaded_bytes=layer.input_offloaded_bytes,
+            following=None if layer.following is None else cls.of(layer.following, device),
         )
+
+    def per_layer(self, num_layers: int) -> list[LayerCosts]:
+        """The costs of each layer of a stack of ``num_layers``."""
+        return [self] + [self.following or self] * (num_layers - 1)
 
 
 def simulate(
@@ -137,10 +157,18 @@ def simulate_policy(
     reload_at = {layer: L - 1 - m + rank for rank, layer in enumerate(offloaded)}
     released_at = {at: layer for layer, at in release_at.items()}
     reloaded_at = {at: layer for layer, at in reload_at.items()}
-    saved = [costs.saved_bytes if c not in CHECKPOINTED else costs.input_bytes for c in policy]
-    moved = [costs.offloaded_bytes if c == OFFLOAD else costs.input_offloaded_bytes for c in policy]
+    each = costs.per_layer(L)
+    saved = [
+        each[j].saved_bytes if c not in CHECKPOINTED else each[j].input_bytes
+        for j, c in enumerate(policy)
+    ]
+    moved = [
+        each[j].offloaded_bytes if c == OFFLOAD else each[j].input_offloaded_bytes
+        for j, c in enumerate(policy)
+    ]
     compute = copies = waited = 0.0
     resident = [0] * L  # each layer's saved bytes on the device
+    total = 0  # their sum
     copy_done: dict[int, float] = {}
     reload_done: dict[int, float] = {}
     steps: list[tuple[str, str, int]] = []
@@ -152,9 +180,13 @@ def simulate_policy(
             waited += done - compute
             compute = done
 
+    def hold(layer: int, nbytes: int) -> None:
+        nonlocal total
+        total += nbytes - resident[layer]
+        resident[layer] = nbytes
+
     def note(step: str, actions: list[str]) -> None:
         nonlocal peak
-        total = sum(resident)
         peak = max(peak, total)
         if log:
             steps.append((step, "; ".join(actions) or "-", total))
@@ -168,36 +200,36 @@ def simulate_policy(
         if j in released_at:
             i = released_at[j]
             wait_for(copy_done[i])
-            resident[i] = saved[i] - moved[i]
+            hold(i, saved[i] - moved[i])
             actions.append(f"release {i}")
-        compute += costs.forward_s
-        resident[j] = saved[j]
+        compute += each[j].forward_s
+        hold(j, saved[j])
         note(f"fwd {j}", actions)
-    end_of_forward = sum(resident)
+    end_of_forward = total
     recompute = 0.0
     for j in reversed(range(L)):
         actions = []
         if j + 1 < L:
-            resident[j + 1] = 0
+            hold(j + 1, 0)
             actions.append(f"release {j + 1}")
         if j in reloaded_at:
             i = reloaded_at[j]
             start = max(copies, compute)
             copies = reload_done[i] = start + moved[i] / h2d_bytes_per_s
-            resident[i] += moved[i]
+            hold(i, resident[i] + moved[i])
             actions.append(f"start reload {i}")
         if j in release_at:
             wait_for(reload_done[j])
         if policy[j] in CHECKPOINTED:
-            compute += costs.forward_s
-            recompute += costs.forward_s
-            resident[j] = costs.saved_bytes
+            compute += each[j].forward_s
+            recompute += each[j].forward_s
+            hold(j, each[j].saved_bytes)
             actions.append(f"recompute {j}")
-        compute += costs.backward_s
+        compute += each[j].backward_s
         note(f"bwd {j}", actions)
-    resident[0] = 0
+    hold(0, 0)
     note("end", ["release 0"])
-    baseline = L * (costs.forward_s + costs.backward_s)
+    baseline = sum(c.forward_s + c.backward_s for c in each)
     return PlanRow(
         k=m,
         end_of_forward_bytes=end_of_forward,
@@ -275,8 +307,13 @@ def plan_offload(
         memory_budget: bytes of saved activations that must fit, or None; with one,
             ``plan.policy`` is the fastest per-layer policy that fits it.
     """
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"plan_offload: num_layers must be a positive int, got {num_layers!r}.")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise TypeError(f"plan_offload: num_layers must be an int, got {num_layers!r}.")
+    if not 1 <= num_layers <= MAX_LAYERS:
+        raise ValueError(
+            f"plan_offload: num_layers must be in 1..{MAX_LAYERS}, got {num_layers} (the plan "
+            f"runs its model once per k, L^2 steps; {MAX_LAYERS} is above any model's depth)."
+        )
     profile = get_profile(device)
     costs = LayerCosts.of(layer, profile)
     rows = [

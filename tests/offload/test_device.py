@@ -125,3 +125,58 @@ def test_npu_copies_permuted_tensors_as_contiguous_blocks():
 def test_pairs_that_cannot_be_copied_flat_are_left_alone(src):
     dst = torch.empty(src.shape)  # contiguous: the strides differ from src's
     assert device_module._as_contiguous_pair(dst, src) == (dst, src)
+
+
+def test_npu_without_torch_npu_says_how_to_install_it():
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed here")
+    for device in ("npu", "npu:1"):
+        with pytest.raises(RuntimeError) as raised:
+            device_module.check_device(device)
+        assert str(raised.value) == (
+            "cpu_offload: device 'npu' needs the torch_npu package and Ascend CANN; install "
+            "them (pip install 'cpu-offload[npu]') or choose another device."
+        )
+    with pytest.raises(ValueError, match="device='tpu' is not a device this offloader can use"):
+        device_module.check_device("tpu")  # another unknown type stays a ValueError
+
+
+def test_host_memory_available_reads_meminfo_then_asks_the_system(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    1234567 kB\n")
+    assert device_module.host_memory_available(str(meminfo)) == 1234567 * 1024
+    pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(device_module.os, "sysconf", lambda name: pages[name])
+    meminfo.write_text("MemTotal:       16000000 kB\n")  # an older kernel: no MemAvailable
+    assert device_module.host_memory_available(str(meminfo)) == 4096 * 1000
+    assert device_module.host_memory_available(str(tmp_path / "missing")) == 4096 * 1000
+
+    def unknown(name):
+        raise ValueError(f"unrecognized configuration name {name}")
+
+    monkeypatch.setattr(device_module.os, "sysconf", unknown)
+    assert device_module.host_memory_available(str(tmp_path / "missing")) is None
+
+
+def test_memory_available_per_backend():
+    available = device_module.get_backend("cpu").memory_available()
+    assert available is None or available > 0  # the host's, where the system says it
+    runtime = RecordingRuntime()
+    backend = StreamBackend(torch.device("cuda", 0), runtime)
+    assert backend.memory_available() is None  # a runtime without mem_get_info
+    runtime.mem_get_info = lambda device: (7 * 2**30, 80 * 2**30)  # type: ignore[attr-defined]
+    assert backend.memory_available() == 7 * 2**30
+
+
+def test_a_device_of_another_type_is_a_type_error():
+    with pytest.raises(TypeError, match="device must be a string such as 'cuda' or 'cuda:1', or a"):
+        device_module.check_device(0)  # type: ignore[arg-type]
+
+
+def test_a_device_the_runtime_does_not_have_is_named():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(RuntimeError, match="device cuda was requested but torch.cuda reports no"):
+        device_module.get_backend("cuda")

@@ -261,9 +261,9 @@ def test_a_bool_is_not_a_count(call, error, message):
 
 def test_the_planner_takes_no_bool_for_a_number_of_layers():
     layer = measure_layer(lambda: nn.Linear(64, 64), torch.empty(8, 64, device="meta"))
-    with pytest.raises(ValueError, match="num_layers must be a positive int, got True"):
+    with pytest.raises(TypeError, match="num_layers must be an int, got True"):
         choose_policy(layer, True, memory_budget=2**20)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="num_layers must be a positive int, got True"):
+    with pytest.raises(TypeError, match="num_layers must be an int, got True"):
         plan_offload(layer, True)  # type: ignore[arg-type]
 
 

@@ -10,8 +10,10 @@ from helpers import small_llama_config, tiny_preset_run
 from hosts import require
 
 from cpu_offload import offload_layers
-from cpu_offload.plan import measure_layer
-from cpu_offload.plan.layers import gpt_layer, hf_layer, preset_layer
+from cpu_offload.plan import measure_layer, plan_offload, simulate_policy
+from cpu_offload.plan.layers import GptLayer, gpt_layer, hf_layer, preset_layer
+from cpu_offload.plan.profiles import get_profile
+from cpu_offload.plan.schedule_model import LayerCosts
 
 THRESHOLDS = [0, 2**15, 2**18]
 
@@ -162,3 +164,123 @@ def test_gpt2_at_its_default_use_cache_plans_the_bytes_a_real_run_moves(tmp_path
         expected,
         layer.tensors_offloaded + layer.input_tensors_offloaded,
     )
+
+
+class SlicedOutput(torch.nn.Module):
+    """A layer whose output is a strided view of a larger tensor: 8 of its 9 columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))[..., :8]
+
+
+def policy_stats(model, policy, step):
+    handle = offload_layers(model, policy=policy, min_offload_numel=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # L - 1 offloaded layers warn that copies cannot overlap
+        step()
+    stats = handle.offload_synchronizer.stats
+    handle.remove()
+    return stats.bytes_offloaded, stats.tensors_offloaded
+
+
+POLICIES = [
+    ["offload", "offload", "offload", "keep"],
+    ["checkpoint+offload"] * 3 + ["keep"],
+    ["keep", "checkpoint+offload", "offload", "checkpoint"],
+    ["checkpoint+offload", "keep", "keep", "keep"],
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["-".join(p) for p in POLICIES])
+def test_a_layer_whose_output_is_a_view_plans_the_bytes_a_real_run_moves(policy):
+    """The layers after the first receive a view of a larger tensor: what they save of it
+    (their checkpointed input, the linear's input) moves through its base."""
+    layer = measure_layer(SlicedOutput, torch.empty(16, 16, 8, device="meta"), min_offload_numel=0)
+    predicted = simulate_policy(policy, LayerCosts.of(layer, get_profile("h100")), 1e9, 1e9)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(SlicedOutput() for _ in range(4))
+    x = torch.randn(16, 16, 8, requires_grad=True)
+
+    def step():
+        h = x
+        for block in model:
+            h = block(h)
+        h.sum().backward()
+
+    moved, copies = policy_stats(model, policy, step)
+    assert moved == predicted.offloaded_bytes
+    if "checkpoint" not in " ".join(policy):
+        k = policy.count("offload")
+        assert moved == plan_offload(layer, 4).rows[k].offloaded_bytes
+    assert layer.input_offloaded_bytes == 16 * 16 * 8 * 4  # the first layer's own input
+    assert layer.following.input_offloaded_bytes == 16 * 16 * 9 * 4  # the base, not the view
+    assert layer.unpredictable == ""
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+def test_attention_dropout_on_the_cpu_plans_the_bytes_a_real_run_moves(dropout):
+    """The CPU's flash kernel takes no dropout: sdpa runs its math implementation there."""
+    s, b, h, a = 64, 2, 64, 4
+    make = lambda: GptLayer(h, a, dropout=dropout, sdpa=True)  # noqa: E731
+    x = torch.empty(s, b, h, device="meta")
+    layer = measure_layer(make, x, min_offload_numel=0, attention="cpu", fused_dropout=False)
+    probabilities = [r for r in layer.saved if r[0] == (b, a, s, s)]
+    assert bool(probabilities) == (dropout > 0)  # the math path saves them
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(make() for _ in range(3))
+    x = torch.randn(s, b, h, requires_grad=True)
+
+    def step():
+        out = x
+        for block in model:
+            out = block(out)
+        out.sum().backward()
+
+    for k in (1, 2):
+        moved = real_stats(model, k, 0, step)
+        assert moved == (k * layer.offloaded_bytes, k * layer.tensors_offloaded), k
+
+
+class Alternating(torch.nn.Module):
+    """A layer whose output is a view of a 9- or 10-column tensor, whichever its input
+    is not: every layer of a stack of it receives another input than the one before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = 10 if x.stride(-2) == 9 else 9
+        return torch.tanh(self.linear(x))[..., :wide].contiguous()[..., :8]
+
+
+def test_a_plan_says_which_layers_it_cannot_predict():
+    layer = measure_layer(Alternating, torch.empty(16, 16, 8, device="meta"), min_offload_numel=0)
+    assert layer.following is not None
+    assert layer.following.input_offloaded_bytes == 16 * 16 * 9 * 4
+    assert layer.unpredictable.startswith("layers 2 to L-1: the layer's output is laid out")
+    assert "(20480 B offloaded against 19456 B)" in layer.unpredictable
+
+
+def test_a_layer_whose_output_is_its_own_tensor_is_measured_once():
+    spec = preset_layer("tiny")
+    layer = measure_layer(spec.make_layer, spec.inputs, min_offload_numel=0, attention="cpu")
+    assert layer.following is None and layer.unpredictable == ""
+
+
+def test_the_table_and_the_json_show_the_layers_after_the_first(capsys):
+    from cpu_offload.plan.__main__ import print_plan, to_json
+
+    layer = measure_layer(Alternating, torch.empty(16, 16, 8, device="meta"), min_offload_numel=0)
+    plan = plan_offload(layer, 4)
+    print_plan(plan, "alternating")
+    out = capsys.readouterr().out
+    assert "layers 1 to L-1 (their input is the previous layer's output" in out
+    assert "NOT PREDICTED: layers 2 to L-1" in out
+    document = to_json(plan, "alternating")["layer"]
+    assert document["following"]["input_offloaded_bytes"] == 16 * 16 * 9 * 4
+    assert "saved" not in document["following"] and document["unpredictable"]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from hosts import require
 
 from cpu_offload.plan.__main__ import main
 
@@ -72,7 +73,6 @@ LLAMA_8B_CONFIG = {
 }
 
 
-@pytest.fixture
 def without_transformers(monkeypatch):
     """The planner as it runs where transformers is not installed."""
     import importlib.util
@@ -87,17 +87,28 @@ def without_transformers(monkeypatch):
     )
 
 
-def test_a_llama_config_json_is_read_without_transformers(tmp_path, without_transformers):
+@pytest.fixture(name="without_transformers")
+def without_transformers_fixture(monkeypatch):
+    without_transformers(monkeypatch)
+
+
+def test_a_llama_config_json_is_read_without_transformers(tmp_path, monkeypatch):
+    """The same plan with and without transformers (tests/plan/test_hf_llama.py compares
+    the layers tensor for tensor)."""
+    require("transformers")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_8B_CONFIG))
-    planned = tmp_path / "hf.json"
-    preset = tmp_path / "preset.json"
-    common = ["--seq", "2048", "--batch", "1", "--json"]
-    assert main(["--hf-config", str(tmp_path), *common, str(planned)]) == 0
-    assert main(["--preset", "llama8b-layer", "--layers", "32", *common, str(preset)]) == 0
-    hf, ours = json.loads(planned.read_text()), json.loads(preset.read_text())
-    assert "read without transformers" in hf["description"] and hf["num_layers"] == 32
-    assert hf["layer"]["offloaded_bytes"] == ours["layer"]["offloaded_bytes"] > 0
+    theirs, ours = tmp_path / "with.json", tmp_path / "without.json"
+    common = ["--hf-config", str(tmp_path), "--seq", "2048", "--batch", "1", "--json"]
+    assert main([*common, str(theirs)]) == 0
+    without_transformers(monkeypatch)
+    assert main([*common, str(ours)]) == 0
+    hf, fallback = json.loads(theirs.read_text()), json.loads(ours.read_text())
+    assert "read without transformers" in fallback["description"]
+    assert fallback["num_layers"] == hf["num_layers"] == 32
+    assert fallback["layer"].pop("description") != hf["layer"].pop("description")
+    assert fallback["layer"] == hf["layer"] and fallback["layer"]["offloaded_bytes"] > 0
+    assert fallback["rows"] == hf["rows"]
     assert [r["host_bytes_per_rank"] for r in hf["rows"]] == [
         r["offloaded_bytes"] for r in hf["rows"]
     ]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import random
@@ -81,12 +82,16 @@ def plan_offload_rows(c):
     ]
 
 
+@pytest.mark.parametrize("following", [False, True], ids=["alike", "first-differs"])
 @pytest.mark.parametrize("L", [2, 3, 6])
-def test_the_vectorized_model_is_the_reference_model(L):
+def test_the_vectorized_model_is_the_reference_model(L, following):
     random.seed(L)
     codes = policy_family(L)
     for _ in range(4):
         c = costs(random.choice([0, 20]), random.choice([3, 60]), random.choice([0, 3]))
+        if following:  # the layers after the first save and move otherwise
+            later = costs(random.choice([0, 30]), 40, random.choice([5, 40]), 1.5, 2.5)
+            c = dataclasses.replace(c, following=later)
         d2h, h2d = random.choice([10, 1000]), random.choice([10, 1000])
         many = simulate_many(codes, c, d2h, h2d)
         for index, row_codes in enumerate(codes):
@@ -370,19 +375,34 @@ def test_offloaded_layers_is_for_the_default_schedule():
         )
 
 
-def test_the_worked_example_of_the_docs_runs(capsys, monkeypatch):
-    """examples/memory_budget.py: the tables of docs/planning.md."""
+def test_the_worked_example_of_the_docs_runs(capsys, monkeypatch, tmp_path):
+    """examples/memory_budget.py: the tables and the plot of docs/planning.md."""
     import runpy
     import sys
     from pathlib import Path
 
-    monkeypatch.setattr(sys, "argv", ["memory_budget.py"])
-    runpy.run_path(
-        str(Path(__file__).parents[2] / "examples" / "memory_budget.py"), run_name="__main__"
-    )
+    example = str(Path(__file__).parents[2] / "examples" / "memory_budget.py")
+    missing = tmp_path / "img" / "memory_budget.png"
+    monkeypatch.setattr(sys, "argv", ["memory_budget.py", "--plot", str(missing)])
+    with pytest.raises(SystemExit) as exit_info:  # refused before the run, in one line
+        runpy.run_path(example, run_name="__main__")
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "expected a path in an existing folder" in captured.err
+    plot = tmp_path / "memory_budget.png"
+    argv = ["memory_budget.py"] + (["--plot", str(plot)] if has_matplotlib() else [])
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(example, run_name="__main__")
+    assert not has_matplotlib() or plot.stat().st_size > 1000
     out = capsys.readouterr().out
     assert "| 20 GiB | 7 O, 15 C, 10 K | +15.0% | k=22: +85% | +32% |" in out  # as documented
     assert out.count("(nothing fits; closest)") == 4  # 1.5 and 1 GiB, on both devices
+
+
+def has_matplotlib():
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def test_a_disabled_handle_neither_offloads_nor_checkpoints():

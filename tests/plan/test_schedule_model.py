@@ -101,7 +101,7 @@ def test_the_plan_answers_from_its_rows():
 def test_built_in_and_custom_profiles():
     assert set(PROFILES) == {"h100", "h200", "a100", "gh200", "910b"}
     assert get_profile("GH200").d2h > 5 * get_profile("h100").d2h  # NVLink-C2C vs PCIe
-    with pytest.raises(ValueError, match="link_bytes_per_s must be positive"):
+    with pytest.raises(ValueError, match="link_bytes_per_s must be a finite number > 0, got 0"):
         DeviceProfile(link_bytes_per_s=0, flops_per_s=1.0)
     with pytest.raises(ValueError, match="unknown device profile 'tpu'"):
         get_profile("tpu")
@@ -131,5 +131,46 @@ def test_a_measured_profile_from_the_check_command(tmp_path):
 
 
 def test_plan_offload_refuses_a_bad_layer_count():
-    with pytest.raises(ValueError, match="num_layers must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"num_layers must be in 1..512, got 0 \(the plan"):
         plan_offload(layer_profile(), 0)
+    with pytest.raises(ValueError, match="num_layers must be in 1..512, got 100000"):
+        plan_offload(layer_profile(), 100_000)
+    with pytest.raises(TypeError, match="num_layers must be an int, got 4.0"):
+        plan_offload(layer_profile(), 4.0)
+
+
+@pytest.mark.parametrize(
+    "figures, error, message",
+    [
+        ({"h2d_bytes_per_s": -1.0}, ValueError, "h2d_bytes_per_s must be a finite number > 0"),
+        ({"h2d_bytes_per_s": float("nan")}, ValueError, "h2d_bytes_per_s must be a finite"),
+        ({"link_bytes_per_s": float("inf")}, ValueError, "link_bytes_per_s must be a finite"),
+        ({"flops_per_s": 0}, ValueError, "flops_per_s must be a finite number > 0, got 0"),
+        ({"h2d_bytes_per_s": "5e10"}, TypeError, "h2d_bytes_per_s must be a number of bytes"),
+        ({"flops_per_s": True}, TypeError, "flops_per_s must be a number of FLOP per second"),
+    ],
+    ids=["negative-h2d", "nan-h2d", "inf-link", "zero-flops", "string-h2d", "bool-flops"],
+)
+def test_a_device_profile_refuses_figures_no_device_has(figures, error, message):
+    given = {"link_bytes_per_s": 5e10, "flops_per_s": 1e14, **figures}
+    with pytest.raises(error, match="DeviceProfile: " + message):
+        DeviceProfile(**given)
+
+
+def test_a_measured_profile_refuses_a_file_of_another_shape(tmp_path):
+    path = tmp_path / "check.json"
+    for document, what in [
+        ([1, 2], "the file"),
+        ({"environment": "H100"}, "'environment'"),
+        ({"checks": {"figures": {}}}, None),
+        ({"checks": [{"figures": [1]}]}, "'figures'"),
+    ]:
+        path.write_text(json.dumps(document))
+        expected = f"expected {what} to be a JSON object" if what else "expected 'checks' to be"
+        with pytest.raises(ValueError, match=expected):
+            DeviceProfile.from_json(path)
+    path.write_text(
+        json.dumps({"checks": [{"figures": {"d2h_bytes_per_s": -5, "h2d_bytes_per_s": 1}}]})
+    )
+    with pytest.raises(ValueError, match="link_bytes_per_s must be a finite number > 0, got -5"):
+        DeviceProfile.from_json(path, flops_per_s=1e14)
