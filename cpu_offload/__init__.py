@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from . import testing
 from .autograd_hooks import is_cpu_offload_enabled
-from .context import OffloadContext, get_cpu_offload_context
+from .context import get_cpu_offload_context
 from .errors import CpuOffloadError, OffloadStateError
+from .layer_context import OffloadContext
 from .layer_hooks import OffloadLayersHandle, offload_layers
-from .layer_state import LayerState, OffloadableLayerState
+from .layer_state import OffloadableLayerState
 from .marking import mark_activation_offload, mark_not_offload, start_offload
 from .stats import OffloadStats
 from .synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
+from .transitions import LayerState
 
 __version__ = "0.1.0"
 

@@ -28,11 +28,12 @@ from torch import nn
 
 from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 
+from .backend import DeviceBackend
 from .bench.measure import measure_ceiling
 from .cli import Parser, device, output_file
 from .context import get_cpu_offload_context
 from .copy_timer import CopyTimer
-from .device import DeviceBackend, device_name, get_backend
+from .device import device_name, get_backend
 from .models.gpt import Block
 from .testing import strict_runtime
 

@@ -64,9 +64,10 @@ from .eager import eager
 from .engine import OffloadEngine
 from .errors import CpuOffloadError
 from .handles import SharedHandle, unpack_saved
-from .layer_state import LayerState, OffloadableLayerState
+from .layer_state import OffloadableLayerState
 from .per_thread import PerThread
 from .selection import is_offloadable
+from .transitions import LayerState
 
 __all__ = ["CHUNK_FRACTION", "MAX_CHUNK_BYTES", "ChunkedForward", "ChunkedOffload", "ChunkEngine"]
 
@@ -204,8 +205,8 @@ class ChunkedOffload:
         >>> ctx.offload_synchronizer.get_offloaded_total_size_mb() > 0
         True
         >>> loss.backward()
-        >>> ctx.offload_synchronizer.stats.tensors_offloaded
-        5
+        >>> ctx.offload_synchronizer.stats.tensors_offloaded  # the 6 layers' inputs
+        6
     """
 
     #: how messages name the threshold in bytes (torchtune's class calls it otherwise)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .device import DeviceBackend
+from .backend import DeviceBackend
 
 __all__ = ["CopyTimer"]
 

@@ -16,9 +16,11 @@ from typing import cast
 
 import torch
 
+from .backend import DeviceBackend
 from .cli import Parser, at_least, device, int_list
-from .context import OffloadContext, get_cpu_offload_context
-from .device import DeviceBackend, get_backend
+from .context import get_cpu_offload_context
+from .device import get_backend
+from .layer_context import OffloadContext
 from .models import DTYPES
 from .models.gpt import GPT, Block, GPTConfig
 from .plan import DeviceProfile, measure_layer, plan_offload

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from .backend import DeviceBackend, Stream
 from .copy_timer import CopyTimer
-from .device import DeviceBackend, Stream, get_backend
+from .device import get_backend
 from .host_buffers import HostBufferPool
 from .layer_state import OffloadableLayerState
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL

@@ -23,7 +23,7 @@ class GraphToken:
 
 
 class ForwardPass:
-    """The saved tensors of one forward pass through ``num_layers`` layers.
+    """The saved tensors of one forward pass through ``model_layers`` layers.
 
     A pass lives as long as its autograd graph (the backward hooks that ``sync_fn``
     registers hold it) and owns one :class:`OffloadableLayerState` per layer, so
@@ -33,7 +33,7 @@ class ForwardPass:
     Attributes:
         index: a number unique to this pass within the process.
         layer_states: one state per layer (see :meth:`state`).
-        num_layers: how many.
+        model_layers: how many.
         layers_forwarded: how many layers' forwards have started.
         previous_bwd_layer: the layer whose backward ran last, not yet released.
         finish_queued: whether the end-of-backward callback is queued.
@@ -44,12 +44,12 @@ class ForwardPass:
     """
 
     def __init__(
-        self, num_layers: int, make_state: Callable[[int, str], OffloadableLayerState]
+        self, model_layers: int, make_state: Callable[[int, str], OffloadableLayerState]
     ) -> None:
         self.index = next(_pass_ids)
         self._make_state = make_state
-        self._states: list[OffloadableLayerState | None] = [None] * num_layers
-        self.num_layers = num_layers
+        self._states: list[OffloadableLayerState | None] = [None] * model_layers
+        self.model_layers = model_layers
         #: a weak reference to the pass (one, made once: layers ask for it)
         self.weak = weakref.ref(self)
         self.layers_forwarded = 0
@@ -81,7 +81,7 @@ class ForwardPass:
     @property
     def layer_states(self) -> list[OffloadableLayerState]:
         """One state per layer (made now where not made yet)."""
-        return [self.state(layer) for layer in range(self.num_layers)]
+        return [self.state(layer) for layer in range(self.model_layers)]
 
     def graph_token(self) -> GraphToken:
         """An object the backward hooks hold: alive while any hooked node of the graph is."""
@@ -113,7 +113,7 @@ class ForwardPass:
 
     @property
     def forward_done(self) -> bool:
-        return self.layers_forwarded == self.num_layers
+        return self.layers_forwarded == self.model_layers
 
     def get_offloaded_total_size_mb(self) -> float:
         return sum(
@@ -123,5 +123,5 @@ class ForwardPass:
     def __repr__(self) -> str:
         return (
             f"ForwardPass(index={self.index}, layers_forwarded={self.layers_forwarded}/"
-            f"{self.num_layers})"
+            f"{self.model_layers})"
         )

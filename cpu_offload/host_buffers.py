@@ -39,7 +39,7 @@ from typing import cast
 
 import torch
 
-from .device import DeviceBackend
+from .backend import DeviceBackend
 from .errors import CpuOffloadError
 from .stats import OffloadStats
 

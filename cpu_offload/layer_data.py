@@ -34,8 +34,8 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from .backend import DeviceBackend
 from .copy_timer import CopyTimer
-from .device import DeviceBackend
 from .handles import Lease
 from .host_buffers import HostBufferPool
 from .stats import OffloadStats

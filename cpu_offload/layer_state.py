@@ -37,18 +37,17 @@ NOTE [Version counter checks]
 
 from __future__ import annotations
 
-import enum
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.nn import Parameter
 
+from .backend import DeviceBackend
 from .copy_timer import CopyTimer
-from .device import DeviceBackend, get_backend
+from .device import get_backend
 from .eager import eager
 from .errors import OffloadStateError
 from .handles import (
@@ -68,56 +67,10 @@ from .saving_protocol import decompose, has_saving_protocol
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL, NOT_DENSE, plain_kept_because, warn_not_dense
 from .stats import OffloadStats
 from .tensor_group import offloads_through_base
+from .transitions import LayerState, LayerTransitions
 
-__all__ = ["TRANSITIONS", "LayerState", "OffloadableLayerState", "Transition"]
+__all__ = ["OffloadableLayerState"]
 
-
-class LayerState(enum.Enum):
-    """Where the saved tensors of one layer are."""
-
-    NOT_OFFLOADED = "not_offloaded"
-    OFFLOAD_STARTED = "offload_started"
-    OFFLOAD_FINISHED = "offload_finished"
-    RELOAD_STARTED = "reload_started"
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One guarded operation of the state machine."""
-
-    needs: LayerState
-    leads_to: LayerState
-    advice: str  # the likely fix, shown when the state is not ``needs``
-
-
-#: The state machine in one place: per operation, the state it needs, the state it
-#: leads to, and the advice when it is called in another state.  ``release_all_memory``
-#: is allowed from every state (to NOT_OFFLOADED, or OFFLOAD_FINISHED while the graph
-#: may still unpack the layer).
-TRANSITIONS = {
-    "push_tensor": Transition(
-        LayerState.NOT_OFFLOADED,
-        LayerState.NOT_OFFLOADED,
-        "Tensors can be saved for a layer only before its offload starts; start the "
-        "offload after the layer's forward has finished.",
-    ),
-    "start_offload": Transition(
-        LayerState.NOT_OFFLOADED,
-        LayerState.OFFLOAD_STARTED,
-        "Call start_offload_layer once per layer and forward pass.",
-    ),
-    "release_activation_forward_gpu_memory": Transition(
-        LayerState.OFFLOAD_STARTED,
-        LayerState.OFFLOAD_FINISHED,
-        "Call start_offload_layer(i) before release_activation_forward_gpu_memory(i), "
-        "and only once.",
-    ),
-    "start_reload": Transition(
-        LayerState.OFFLOAD_FINISHED,
-        LayerState.RELOAD_STARTED,
-        "Call start_reload_layer(i) once, after release_activation_forward_gpu_memory(i).",
-    ),
-}
 
 _NOT_OFFLOADED = LayerState.NOT_OFFLOADED
 _OFFLOAD_FINISHED = LayerState.OFFLOAD_FINISHED
@@ -126,7 +79,7 @@ _Tensor = torch.Tensor
 _Parameter = Parameter
 
 
-class OffloadableLayerState:
+class OffloadableLayerState(LayerTransitions):
     """Saved tensors of one layer of one forward pass, and their copies.
 
     Constructed as TransformerEngine constructs its own,
@@ -186,31 +139,10 @@ class OffloadableLayerState:
         #: what this state belongs to, kept alive as long as the state is (a chunk's
         #: forward: see ``chunked.py``)
         self.owner: Any = None
-        self.state = _NOT_OFFLOADED
-        self.generation = 0
+        super().__init__()
         #: the most elements of a tensor kept only for being under ``min_offload_numel``
         self.largest_below_threshold = 0
-        #: the current push cycle's data: made by its first push of a tensor to copy
-        #: (most layer states never have one), gone with its lease
-        self._data: LayerData | None = None
-        self._held_lease: Lease | None = None  # strong: tensors pushed by hand
-        self._backward_done = False  # the cycle's backward released the layer
 
-    def _transition(self, operation: str) -> None:
-        """Check ``operation`` against :data:`TRANSITIONS` and take it."""
-        transition = TRANSITIONS[operation]
-        if self.state is not transition.needs:
-            raise OffloadStateError(
-                f"cpu_offload: cannot {operation} for {self.name}: its state is "
-                f"{self.state.name}, but {operation} needs {transition.needs.name}. "
-                f"{transition.advice}"
-            )
-        self.state = transition.leads_to
-
-    # ------------------------------------------------------------- push / pop
-
-    # Pack and unpack hooks run eagerly (NOTE [Hooks around compiled code] in eager.py).
-    # This is the cost of every saved tensor: checks are ordered by how often they decide.
     @eager
     def push_tensor(self, tensor: Any) -> Any:
         """Take a tensor autograd saves; return what the pop will need (NOTE [Handles])."""
@@ -262,13 +194,6 @@ class OffloadableLayerState:
         data.pushed.append(alias)
         data.ready.append(event)
         return (lease, index)
-
-    def _new_cycle(self, lease: Lease) -> LayerData:
-        """The first push of a tensor to copy in this cycle: its data, which goes when
-        ``lease`` does (the handles hold it)."""
-        data = self._data = LayerData(lease)
-        weakref.finalize(lease, self._graph_released, self.generation).atexit = False
-        return data
 
     def push_by_hand(self, tensor: Any) -> Any:
         """Push a tensor that no pack hook saved (TransformerEngine's by-hand use).
@@ -365,100 +290,3 @@ class OffloadableLayerState:
         self.start_reload()
 
     # ---------------------------------------------------------- transitions
-
-    def start_offload(self) -> None:
-        """Queue device-to-host copies of the layer's tensors on the offload stream."""
-        self._transition("start_offload")
-        data = self._data
-        if data is not None:
-            data.aliases = {}  # no more pushes: only the lists hold the tensors now
-            if data.pushed:
-                data.copy_out(self)
-
-    def release_activation_forward_gpu_memory(self) -> None:
-        """Drop the device copies once the offload has read them."""
-        self._transition("release_activation_forward_gpu_memory")
-        data = self._data
-        if data is not None:
-            data.wait_for_copies(self)
-            data.drop_pushed()
-            data.unique = []
-
-    def start_reload(self) -> None:
-        """Queue host-to-device copies on the offload stream, one event for the layer."""
-        self._transition("start_reload")
-        if self._data is not None:
-            self._data.copy_in(self)
-
-    def release_all_memory(self) -> None:
-        """Drop the layer's device tensors after its backward.
-
-        Allowed in every state.  While the graph may still unpack the layer's tensors
-        (``retain_graph=True``), offloaded data stays on the host and the layer goes to
-        ``OFFLOAD_FINISHED``, from where a second backward reloads it; tensors that were
-        never copied stay on the device.  Otherwise everything goes and the layer is
-        back to ``NOT_OFFLOADED``.
-        """
-        self._held_lease = None  # what was pushed by hand lives as long as its handles now
-        data = self._data
-        if data is None or data.lease() is None:
-            self._drop_data()
-            self.state = _NOT_OFFLOADED
-            return
-        if self.state is _NOT_OFFLOADED:
-            return  # never copied: the device tensors live as long as the graph
-        data.wait_for_copies(self)
-        data.drop_pushed()
-        data.reloaded, data.unique = [], []
-        self._backward_done = True
-        self.state = _OFFLOAD_FINISHED
-
-    def _start_new_cycle(self) -> None:
-        """A state reused for a new forward after its backward: the old graph's
-        handles lose their data (popping one raises)."""
-        self._held_lease = None
-        self._drop_data()
-        self.generation += 1
-        self.state = _NOT_OFFLOADED
-
-    def _graph_released(self, generation: int) -> None:
-        """Finalizer of the lease: no handle of this push cycle is left."""
-        if generation != self.generation:
-            return  # the state was reused since; that cycle's data is gone already
-        after_backward = self._backward_done or self.state is _RELOAD_STARTED
-        self._drop_data()
-        self.generation += 1
-        if after_backward:
-            self.state = _NOT_OFFLOADED
-
-    def _drop_data(self) -> None:
-        data, self._data = self._data, None
-        self._backward_done = False
-        if data is not None:
-            data.release(self)
-
-    # -------------------------------------------------------------- queries
-
-    def holds_data(self) -> bool:
-        """Whether a push cycle's data is alive: handles autograd may still unpack, or
-        tensors pushed by hand."""
-        data = self._data
-        return self._held_lease is not None or (data is not None and data.lease() is not None)
-
-    def holds_storage(self, cdata: int) -> bool:
-        """Whether a tensor pushed to be offloaded, not yet copied, lives in the storage
-        ``cdata`` (a ``StorageWeakRef``'s)."""
-        data = self._data
-        return data is not None and any(t.untyped_storage()._cdata == cdata for t in data.pushed)
-
-    @property
-    def num_offloaded_tensors(self) -> int:
-        """Distinct tensors copied (or to be copied) to the host."""
-        data = self._data
-        return 0 if data is None else sum(h is not None for h in data.host)
-
-    def get_offloaded_total_size_mb(self) -> float:
-        """MiB of this layer's data that sits in host memory now."""
-        if self.state is _NOT_OFFLOADED or self._data is None:
-            return 0.0
-        return self._data.host_bytes / 2**20

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from .schedule import offloadable
+
 __all__ = [
     "CHECKPOINT",
     "CHECKPOINT_OFFLOAD",
@@ -61,12 +63,13 @@ def check_policy(policy: object, num_layers: int, owner: str) -> list[str]:
                 f"offload_layers: policy[{index}] is {choice!r}; expected one of "
                 f"{', '.join(POLICY_CHOICES)}."
             )
-    if policy and policy[-1] in OFFLOADED:
-        raise ValueError(
-            f"offload_layers: policy[{num_layers - 1}] is {policy[-1]!r}, but the last layer "
-            "is never offloaded (its backward runs first: no compute to hide the copy "
-            f"behind); use {KEEP!r} or {CHECKPOINT!r} for it."
-        )
+    for index, choice in enumerate(policy):
+        if choice in OFFLOADED and not offloadable(index, num_layers):
+            raise ValueError(
+                f"offload_layers: policy[{index}] is {choice!r}, but the last layer is never "
+                "offloaded (its backward runs first: no compute to hide the copy behind); "
+                f"use {KEEP!r} or {CHECKPOINT!r} for it."
+            )
     return policy
 
 

@@ -1,4 +1,4 @@
-"""Synchronizers: the policy that decides when each layer offloads and reloads.
+"""Synchronizers: the schedule that decides when each layer offloads and reloads.
 
 A synchronizer counts layers as their forwards start (``fwd_step``) and as
 backward reaches them (``bwd_step``), and drives the layer states of the forward
@@ -21,10 +21,12 @@ from .engine import OffloadEngine
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
 from .handles import unpack_saved
-from .layer_state import LayerState, OffloadableLayerState
+from .layer_state import OffloadableLayerState
 from .marks import set_mark
 from .per_thread import PerThread
+from .schedule import check_offloaded_layers, max_offloaded, schedule_points
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
+from .transitions import LayerState
 
 __all__ = ["DefaultOffloadSynchronizer", "ManualOffloadSynchronizer", "OffloadSynchronizer"]
 
@@ -64,7 +66,7 @@ class OffloadSynchronizer(OffloadEngine):
         without offload.
 
     Args:
-        num_layers: layers per forward pass (``model_layers``).
+        num_layers: layers per forward pass (``model_layers``; TransformerEngine's name).
         retain_pinned_cpu_buffers: keep host buffers for the next iteration.
         offload_stream: stream for all copies; a new one by default.
         device: device whose tensors are offloaded; the best available by default.
@@ -94,7 +96,7 @@ class OffloadSynchronizer(OffloadEngine):
             min_offload_bytes=min_offload_bytes,
             max_host_bytes=max_host_bytes,
         )
-        self.num_layers = num_layers
+        self.model_layers = num_layers
         #: warn (once) when a whole forward pass moved nothing because of the threshold
         self.warn_if_nothing_moved = True
         self._forwarding = PerThread(_ForwardInProgress)
@@ -102,10 +104,15 @@ class OffloadSynchronizer(OffloadEngine):
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
         self._passes_lock = threading.Lock()
 
+    @property
+    def num_layers(self) -> int:
+        """The layers per forward pass, :attr:`model_layers` (TransformerEngine's name)."""
+        return self.model_layers
+
     # ------------------------------------------------------------ passes
 
     def _new_pass(self) -> ForwardPass:
-        forward_pass = ForwardPass(self.num_layers, self.new_layer_state)
+        forward_pass = ForwardPass(self.model_layers, self.new_layer_state)
         with self._passes_lock:
             self._passes = [ref for ref in self._passes if ref() is not None]
             self._passes.append(weakref.ref(forward_pass))
@@ -159,7 +166,7 @@ class OffloadSynchronizer(OffloadEngine):
     def fwd_step(self) -> int:
         """Called as a layer's forward starts; returns that layer's index.
 
-        A new pass starts after ``num_layers`` layers, and also when the pass in
+        A new pass starts after ``model_layers`` layers, and also when the pass in
         progress was abandoned (see :meth:`ForwardPass.abandoned`: an exception
         between two layers, say).
         """
@@ -272,29 +279,6 @@ class OffloadSynchronizer(OffloadEngine):
         return sum(p.get_offloaded_total_size_mb() for p in self.in_flight_passes())
 
 
-def _check_offloaded_layers(layers: object, num_layers: int) -> list[int]:
-    """``offloaded_layers`` sorted, after checking it names distinct layers but the last."""
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
-        raise TypeError(
-            "cpu_offload: offloaded_layers must be a sequence of layer indices, got "
-            f"{type(layers).__name__} {layers!r}."
-        )
-    bad = [
-        layer
-        for layer in layers
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers - 1
-    ]
-    chosen = sorted(set(layers)) if not bad else []
-    if bad or len(chosen) != len(layers):
-        why = f"{bad[0]!r} is not one" if bad else "an index appears twice"
-        raise ValueError(
-            f"cpu_offload: offloaded_layers must name distinct layers in 0..{num_layers - 2} "
-            f"(model_layers={num_layers}; the last layer is never offloaded): {why} in "
-            f"{list(layers)!r}."
-        )
-    return chosen
-
-
 class DefaultOffloadSynchronizer(OffloadSynchronizer):
     """Offloads layers ``0..k-1`` of every pass on a fixed schedule.
 
@@ -338,16 +322,16 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     ) -> None:
         _check_model_layers(num_layers)
         if offloaded_layers is not None:
-            chosen = _check_offloaded_layers(offloaded_layers, num_layers)
+            chosen = check_offloaded_layers(offloaded_layers, num_layers)
             num_offloaded_layers = len(chosen)
         if (
             isinstance(num_offloaded_layers, bool)
             or not isinstance(num_offloaded_layers, int)
-            or not 0 <= num_offloaded_layers <= num_layers - 1
+            or not 0 <= num_offloaded_layers <= max_offloaded(num_layers)
         ):
             raise ValueError(
                 "cpu_offload: num_layers (layers to offload) must be an int with "
-                f"0 <= num_layers <= model_layers - 1 = {num_layers - 1}, got "
+                f"0 <= num_layers <= model_layers - 1 = {max_offloaded(num_layers)}, got "
                 f"num_layers={num_offloaded_layers!r}, model_layers={num_layers}. The last "
                 "layer is never offloaded; use manual_synchronization=True for other schedules."
             )
@@ -360,14 +344,18 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             min_offload_bytes=min_offload_bytes,
             max_host_bytes=max_host_bytes,
         )
-        self.num_offloaded_layers = k = num_offloaded_layers
-        self.offloaded_layers = chosen if offloaded_layers is not None else list(range(k))
+        self.num_offloaded_layers = num_offloaded_layers
+        self.offloaded_layers = (
+            chosen if offloaded_layers is not None else list(range(num_offloaded_layers))
+        )
         self._offloaded = frozenset(self.offloaded_layers)
+        # Per layer, the offloaded layers released at its forward and reloaded at its
+        # backward (schedule.py).
         self.release_schedule: defaultdict[int, list[int]] = defaultdict(list)
         self.reload_schedule: defaultdict[int, list[int]] = defaultdict(list)
-        for rank, layer in enumerate(self.offloaded_layers):
-            self.release_schedule[num_layers - k + rank].append(layer)
-            self.reload_schedule[num_layers - 1 - k + rank].append(layer)
+        for layer, (release, reload) in schedule_points(num_layers, self.offloaded_layers).items():
+            self.release_schedule[release].append(layer)
+            self.reload_schedule[reload].append(layer)
 
     def layer_is_offloaded(self, layer: int) -> bool:
         return layer in self._offloaded
@@ -448,12 +436,12 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
     def _state(self, layer_id: int, forward_pass: PassRef) -> OffloadableLayerState:
         if isinstance(layer_id, bool) or not isinstance(layer_id, int):
             raise TypeError(
-                f"cpu_offload: layer_id must be an int in [0, {self.num_layers - 1}], got "
+                f"cpu_offload: layer_id must be an int in [0, {self.model_layers - 1}], got "
                 f"{type(layer_id).__name__} {layer_id!r}."
             )
-        if not 0 <= layer_id < self.num_layers:
+        if not 0 <= layer_id < self.model_layers:
             raise ValueError(
-                f"cpu_offload: layer_id must be an int in [0, {self.num_layers - 1}], "
+                f"cpu_offload: layer_id must be an int in [0, {self.model_layers - 1}], "
                 f"got {layer_id!r}."
             )
         return self.resolve_pass(forward_pass).state(layer_id)

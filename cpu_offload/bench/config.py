@@ -1,4 +1,4 @@
-"""Benchmark presets and command-line flags."""
+"""The benchmark's presets (model presets and how they run) and command-line flags."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..cli import Parser, at_least, device, int_list, output_file, plot_file
 from ..models import DTYPES
+from ..presets import MODEL_PRESETS
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
 __all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
@@ -16,50 +17,17 @@ __all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
 MODES = ("none", "offload", "save_on_cpu", "checkpoint", "torchtune")
 
 
+#: how the benchmark runs each model preset (``presets.py``): the k to offload, the
+#: warm-up and measured steps (the hooks preset runs its own modes, k = layers - 1, and
+#: its steps are interleaved rounds)
+_RUNS: dict[str, dict[str, object]] = {
+    "tiny": dict(offload="1,2,3", warmup=1, steps=5),
+    "llama8b-layer": dict(offload="1,2,3,4,5,6,7", warmup=3, steps=10),
+    "hooks": dict(offload="", warmup=3, steps=30),
+}
+#: the presets ``--preset`` accepts: a model preset's shapes and its run
 PRESETS: dict[str, dict[str, object]] = {
-    # CPU smoke run, well under a minute on 2 cores.
-    "tiny": dict(
-        hidden=256,
-        heads=4,
-        kv_heads=2,
-        ffn=688,
-        seq=512,
-        batch=2,
-        layers=4,
-        dtype="fp32",
-        offload="1,2,3",
-        warmup=1,
-        steps=5,
-    ),
-    # One Llama-3-8B layer's shapes, a stack of 8.
-    "llama8b-layer": dict(
-        hidden=4096,
-        heads=32,
-        kv_heads=8,
-        ffn=14336,
-        seq=4096,
-        batch=1,
-        layers=8,
-        dtype="bf16",
-        offload="1,2,3,4,5,6,7",
-        warmup=3,
-        steps=10,
-    ),
-    # Host cost of the hooks per saved tensor (bench/hooks.py): 16 small layers of
-    # Linear, GELU and LayerNorm; hidden is their width, steps the interleaved rounds.
-    "hooks": dict(
-        hidden=64,
-        heads=1,
-        kv_heads=1,
-        ffn=64,
-        seq=1,
-        batch=32,
-        layers=16,
-        dtype="fp32",
-        offload="",  # the hooks preset runs its own modes (k = layers - 1)
-        warmup=3,
-        steps=30,
-    ),
+    name: {**shapes, **_RUNS[name]} for name, shapes in MODEL_PRESETS.items()
 }
 
 

@@ -11,9 +11,10 @@ from typing import Any, cast
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..context import OffloadContext, get_cpu_offload_context
+from ..backend import DeviceBackend
+from ..context import get_cpu_offload_context
 from ..copy_timer import CopyTimer
-from ..device import DeviceBackend
+from ..layer_context import OffloadContext
 
 __all__ = ["Mode", "make_mode", "save_on_cpu"]
 

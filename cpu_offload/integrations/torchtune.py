@@ -46,7 +46,8 @@ from typing import Any
 from torch import nn
 
 from ..chunked import ChunkedOffload
-from ..layer_hooks import OffloadLayersHandle, find_layers, offload_layers
+from ..layer_discovery import find_layers
+from ..layer_hooks import OffloadLayersHandle, offload_layers
 from ..marking import mark_not_offload
 
 __all__ = ["OffloadActivations", "OffloadLayersContext", "get_act_offloading_ctx_manager"]
@@ -85,7 +86,7 @@ class OffloadActivations(ChunkedOffload):
         ...     loss = model(torch.randn(64, 256, requires_grad=True)).sum()
         >>> loss.backward()
         >>> print(ctx.offload_synchronizer.stats)
-        moved 3 tensors (0.19 MiB) to the host and 3 (0.19 MiB) back in 1 forward passes
+        moved 4 tensors (0.25 MiB) to the host and 4 (0.25 MiB) back in 1 forward passes
     """
 
     bytes_threshold_name = "min_offload_size"
@@ -176,7 +177,7 @@ def get_act_offloading_ctx_manager(
 
     Args:
         model: a torchtune ``TransformerDecoder`` (or any model
-            :func:`~cpu_offload.layer_hooks.find_layers` knows).
+            :func:`~cpu_offload.layer_discovery.find_layers` knows).
         enable_activation_offloading: False returns a ``contextlib.nullcontext``.
         num_offloaded_layers: ``k`` layers, or a fraction of them; by default every layer
             but the last (whose activations backward needs first), the nearest to

@@ -3,8 +3,10 @@
 - :func:`measure_layer` (``census.py``): one layer's saved bytes, offloaded bytes and
   FLOPs, measured on the meta device with the offloader's own rules.
 - :class:`DeviceProfile` (``profiles.py``): a device's compute rate and host link.
-- :func:`plan_offload` (``schedule_model.py``): an event model of the default schedule
-  that predicts, for every k, activation memory and exposed copy time.
+- :func:`simulate_policy` (``schedule_model.py``): an event model of the default
+  schedule that predicts activation memory and exposed copy time of a policy.
+- :func:`plan_offload` (``planner.py``): the model run for every k, and the answers
+  drawn from it (the largest hidden k, the smallest k for a budget).
 - :func:`choose_policy` (``policy_search.py``): for a memory budget, keep, offload,
   checkpoint or checkpoint+offload per layer, the fastest mix that fits.
 - ``layers.py``, ``hf_llama.py``: the layers it measures (presets, a GPT layer, a Hugging
@@ -15,9 +17,10 @@
 from __future__ import annotations
 
 from .census import ATTENTIONS, LayerProfile, measure_layer
+from .planner import Plan, plan_offload
 from .policy_search import PolicyPlan, choose_policy
 from .profiles import PROFILES, DeviceProfile
-from .schedule_model import Plan, PlanRow, plan_offload, simulate, simulate_policy
+from .schedule_model import PlanRow, simulate, simulate_policy
 
 __all__ = [
     "ATTENTIONS",

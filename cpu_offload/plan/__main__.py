@@ -15,9 +15,10 @@ from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .census import ATTENTIONS, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
+from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
 from .profiles import PROFILES, get_profile, with_flops
-from .schedule_model import MAX_LAYERS, Plan, PlanRow, plan_offload
+from .schedule_model import PlanRow
 
 GIB = 2**30
 PLAN_PRESETS = ["tiny", "llama8b-layer"]
@@ -192,7 +193,12 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
         "num_layers": plan.num_layers,
         "predicted": True,
         "rows": [
-            {key: value for key, value in dataclasses.asdict(row).items() if key != "log"}
+            {"k": row.k}
+            | {
+                key: value
+                for key, value in dataclasses.asdict(row).items()
+                if key not in ("log", "offloaded_layers")
+            }
             | {"host_bytes_per_rank": host_bytes_per_rank(row)}
             for row in plan.rows
         ],

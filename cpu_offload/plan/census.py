@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from ..layer_hooks import primary_tensor
+from ..layer_discovery import primary_tensor
 from ..policy import checkpoint_hazards
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, PARAMETER, kept_because
 from ..tensor_group import TensorGroup, TensorGroupProcessor

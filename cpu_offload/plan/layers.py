@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..bench.config import PRESETS
-from ..layer_hooks import find_layers
+from ..layer_discovery import find_layers
 from ..models import DTYPES
 from ..models.llama import LlamaConfig, LlamaLayer
+from ..presets import MODEL_PRESETS
 from .hf_llama import DecoderLayer, check_sizes, layer_inputs, llama_shape
 
 __all__ = ["GptLayer", "LayerSpec", "gpt_layer", "hf_layer", "preset_layer"]
@@ -39,10 +39,10 @@ class LayerSpec:
 
 def preset_layer(name: str, seq: int | None = None, batch: int | None = None) -> LayerSpec:
     """One layer of a benchmark preset (``tiny``, ``llama8b-layer``)."""
-    if name not in PRESETS or name == "hooks":
-        presets = [p for p in PRESETS if p != "hooks"]
+    if name not in MODEL_PRESETS or name == "hooks":
+        presets = [p for p in MODEL_PRESETS if p != "hooks"]
         raise ValueError(f"unknown preset {name!r}: use one of {', '.join(presets)}.")
-    preset: dict[str, Any] = PRESETS[name]
+    preset: dict[str, Any] = MODEL_PRESETS[name]
     config = LlamaConfig(
         hidden=preset["hidden"], heads=preset["heads"], kv_heads=preset["kv_heads"],
         ffn=preset["ffn"], layers=1,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES, policy_runs
+from ..schedule import max_offloaded, release_point, reload_point
 from .census import LayerProfile
 from .profiles import DeviceProfile, get_profile
 from .schedule_model import LayerCosts, PlanRow, simulate_policy
@@ -67,7 +68,8 @@ def policy_family(num_layers: int, orders: Sequence[Sequence[str]] = ORDERS) -> 
     block += positions[None, :] >= ends[:, 2:3]
     rows = [np.array([_CODE[c] for c in order], dtype=np.int8)[block] for order in orders]
     codes = np.unique(np.concatenate(rows), axis=0)
-    return codes[(codes[:, -1] != _O) & (codes[:, -1] != _CO)]
+    beyond = codes[:, max_offloaded(L) :]  # the layers the schedule never offloads
+    return codes[~((beyond == _O) | (beyond == _CO)).any(axis=1)]
 
 
 @dataclass
@@ -110,7 +112,7 @@ def simulate_many(
             done = np.maximum(copies, compute) + moved[:, j - 1] / d2h_bytes_per_s
             copies = np.where(starts, done, copies)
             copy_done[:, j - 1] = done
-        rank = j - (L - m)
+        rank = j - release_point(L, m, 0)  # the offloaded layer released here, if any
         released = (rank >= 0) & (rank < m)
         layer = by_rank[rows, np.clip(rank, 0, L - 1)]
         compute = np.where(released, np.maximum(compute, copy_done[rows, layer]), compute)
@@ -122,7 +124,7 @@ def simulate_many(
     for j in reversed(range(L)):
         if j + 1 < L:
             total -= saved_bytes[0, j + 1]  # what any layer holds once its backward ran
-        rank = j - (L - 1 - m)
+        rank = j - reload_point(L, m, 0)  # the offloaded layer reloaded here, if any
         reloaded = (rank >= 0) & (rank < m)
         layer = by_rank[rows, np.clip(rank, 0, L - 1)]
         done = np.maximum(copies, compute) + moved[rows, layer] / h2d_bytes_per_s

@@ -22,36 +22,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..policy import CHECKPOINTED, KEEP, OFFLOAD, OFFLOADED
+from ..schedule import schedule_points
 from .census import LayerProfile
-from .profiles import DeviceProfile, get_profile
+from .profiles import DeviceProfile
 
-if TYPE_CHECKING:
-    from .policy_search import PolicyPlan
-
-__all__ = [
-    "MAX_LAYERS",
-    "LayerCosts",
-    "Plan",
-    "PlanRow",
-    "plan_offload",
-    "simulate",
-    "simulate_policy",
-]
-
-#: the most layers a plan takes: well above any model's (the largest have about 130), and
-#: a table of every k that stays within seconds (it runs the model once per k: L^2 steps)
-MAX_LAYERS = 512
+__all__ = ["LayerCosts", "PlanRow", "first_k", "simulate", "simulate_policy"]
 
 
 @dataclass
 class PlanRow:
-    """The prediction for one k (times in seconds, memory in bytes).
+    """The prediction for one policy of a stack, such as offloading its first k layers
+    (times in seconds, memory in bytes).
 
     Attributes:
-        k: layers offloaded.
+        offloaded_layers: how many layers the policy offloads (``k`` in the table of
+            every k, where it offloads the first k; see :attr:`k`).
         end_of_forward_bytes: saved activations on the device when the forward ends.
         peak_bytes: the most saved activations on the device at any step.
         offloaded_bytes: bytes copied to the host per step (and back).
@@ -62,7 +49,7 @@ class PlanRow:
         recompute_s: time spent running checkpointed layers' forwards again.
     """
 
-    k: int
+    offloaded_layers: int
     end_of_forward_bytes: int
     peak_bytes: int
     offloaded_bytes: int
@@ -71,6 +58,11 @@ class PlanRow:
     overhead: float
     log: list[tuple[str, str, int]] = field(default_factory=list, repr=False)
     recompute_s: float = 0.0
+
+    @property
+    def k(self) -> int:
+        """The row's k, in the table of every k (``plan_offload``): its offloaded layers."""
+        return self.offloaded_layers
 
 
 @dataclass(frozen=True)
@@ -129,10 +121,10 @@ def simulate(
     if not 0 <= k <= num_layers - 1:
         raise ValueError(f"simulate: k must be in [0, {num_layers - 1}], got {k}.")
     costs = LayerCosts(saved_bytes, offloaded_bytes, kept_bytes, forward_s, backward_s)
-    return simulate_policy(_first_k(num_layers, k), costs, d2h_bytes_per_s, h2d_bytes_per_s)
+    return simulate_policy(first_k(num_layers, k), costs, d2h_bytes_per_s, h2d_bytes_per_s)
 
 
-def _first_k(num_layers: int, k: int) -> list[str]:
+def first_k(num_layers: int, k: int) -> list[str]:
     """The policy of the default schedule with ``k`` layers offloaded."""
     return [OFFLOAD] * k + [KEEP] * (num_layers - k)
 
@@ -153,10 +145,10 @@ def simulate_policy(
     L = len(policy)
     offloaded = [j for j, choice in enumerate(policy) if choice in OFFLOADED]
     m = len(offloaded)
-    release_at = {layer: L - m + rank for rank, layer in enumerate(offloaded)}
-    reload_at = {layer: L - 1 - m + rank for rank, layer in enumerate(offloaded)}
-    released_at = {at: layer for layer, at in release_at.items()}
-    reloaded_at = {at: layer for layer, at in reload_at.items()}
+    points = schedule_points(L, offloaded)
+    release_at = {layer: release for layer, (release, _) in points.items()}
+    released_at = {release: layer for layer, (release, _) in points.items()}
+    reloaded_at = {reload: layer for layer, (_, reload) in points.items()}
     each = costs.per_layer(L)
     saved = [
         each[j].saved_bytes if c not in CHECKPOINTED else each[j].input_bytes
@@ -231,7 +223,7 @@ def simulate_policy(
     note("end", ["release 0"])
     baseline = sum(c.forward_s + c.backward_s for c in each)
     return PlanRow(
-        k=m,
+        offloaded_layers=m,
         end_of_forward_bytes=end_of_forward,
         peak_bytes=peak,
         offloaded_bytes=sum(moved[j] for j in offloaded),
@@ -241,88 +233,3 @@ def simulate_policy(
         log=steps,
         recompute_s=recompute,
     )
-
-
-@dataclass
-class Plan:
-    """Predictions for every k, and the answers drawn from them.
-
-    Attributes:
-        layer: the measured layer.
-        device: the device profile.
-        num_layers: ``L``.
-        rows: one :class:`PlanRow` per k = 0 .. L - 1.
-        overhead_budget: the step overhead allowed (a fraction).
-        memory_budget: the activation memory allowed, in bytes, or None.
-        policy: with a memory budget, the per-layer policy chosen for it (keep,
-            offload, checkpoint, checkpoint+offload; see :func:`choose_policy`).
-    """
-
-    layer: LayerProfile
-    device: DeviceProfile
-    num_layers: int
-    rows: list[PlanRow]
-    overhead_budget: float
-    memory_budget: int | None
-    policy: PolicyPlan | None = None
-
-    @property
-    def largest_hidden_k(self) -> int:
-        """The largest k whose predicted overhead stays within the budget."""
-        return max(row.k for row in self.rows if row.overhead <= self.overhead_budget)
-
-    @property
-    def smallest_fitting_k(self) -> int | None:
-        """The smallest k whose peak activation memory fits the budget (None: none fits,
-        or no budget was given)."""
-        if self.memory_budget is None:
-            return None
-        fitting = [row.k for row in self.rows if row.peak_bytes <= self.memory_budget]
-        return min(fitting) if fitting else None
-
-    @property
-    def needs_checkpointing(self) -> bool:
-        """A memory budget was given and not even k = L - 1 meets it: offloading alone
-        cannot fit; recompute (activation checkpointing) some layers."""
-        return self.memory_budget is not None and self.smallest_fitting_k is None
-
-
-def plan_offload(
-    layer: LayerProfile,
-    num_layers: int,
-    device: str | DeviceProfile = "h100",
-    *,
-    overhead_budget: float = 0.02,
-    memory_budget: int | None = None,
-) -> Plan:
-    """Predict memory and time of offloading k of ``num_layers`` copies of ``layer``.
-
-    Args:
-        layer: from :func:`~cpu_offload.plan.measure_layer`.
-        num_layers: ``L``, the layers of the stack (all like ``layer``).
-        device: a built-in profile name (``"h100"``, ``"h200"``, ``"a100"``,
-            ``"gh200"``, ``"910b"``), a JSON file of ``python -m cpu_offload.check``,
-            or a :class:`DeviceProfile`.
-        overhead_budget: the step overhead the answer may cost (0.02: 2%).
-        memory_budget: bytes of saved activations that must fit, or None; with one,
-            ``plan.policy`` is the fastest per-layer policy that fits it.
-    """
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
-        raise TypeError(f"plan_offload: num_layers must be an int, got {num_layers!r}.")
-    if not 1 <= num_layers <= MAX_LAYERS:
-        raise ValueError(
-            f"plan_offload: num_layers must be in 1..{MAX_LAYERS}, got {num_layers} (the plan "
-            f"runs its model once per k, L^2 steps; {MAX_LAYERS} is above any model's depth)."
-        )
-    profile = get_profile(device)
-    costs = LayerCosts.of(layer, profile)
-    rows = [
-        simulate_policy(_first_k(num_layers, k), costs, profile.d2h, profile.h2d)
-        for k in range(num_layers)
-    ]
-    policy = None
-    if memory_budget is not None:
-        from .policy_search import choose_policy  # it runs this module's model
-
-        policy = choose_policy(layer, num_layers, profile, memory_budget=memory_budget)
-    return Plan(layer, profile, num_layers, rows, overhead_budget, memory_budget, policy)

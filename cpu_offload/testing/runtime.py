@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ..device import HostTimingEvent, StreamBackend, override_host_backend
+from ..backend import HostTimingEvent
+from ..device import StreamBackend, override_host_backend
 from .simulator import ComputeWatch, SimulatedBackend, SimulatedEvent, SimulatedStream
 
 __all__ = ["FLAVOURS", "SimulatedRuntime", "strict_runtime"]

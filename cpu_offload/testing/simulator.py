@@ -46,7 +46,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..device import DeviceBackend, Event, Stream, override_host_backend
+from ..backend import DeviceBackend, Event, Stream
+from ..device import override_host_backend
 from ..errors import CpuOffloadError
 from ..tensor_group import is_dense
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cpu_offload import DefaultOffloadSynchronizer
+from cpu_offload import backend as backend_module
 from cpu_offload import device as device_module
 from cpu_offload.device import StreamBackend, distributed_setup
 from cpu_offload.testing import StreamHazardError, strict_runtime
@@ -146,18 +147,18 @@ def test_npu_without_torch_npu_says_how_to_install_it():
 def test_host_memory_available_reads_meminfo_then_asks_the_system(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    1234567 kB\n")
-    assert device_module.host_memory_available(str(meminfo)) == 1234567 * 1024
+    assert backend_module.host_memory_available(str(meminfo)) == 1234567 * 1024
     pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
-    monkeypatch.setattr(device_module.os, "sysconf", lambda name: pages[name])
+    monkeypatch.setattr(backend_module.os, "sysconf", lambda name: pages[name])
     meminfo.write_text("MemTotal:       16000000 kB\n")  # an older kernel: no MemAvailable
-    assert device_module.host_memory_available(str(meminfo)) == 4096 * 1000
-    assert device_module.host_memory_available(str(tmp_path / "missing")) == 4096 * 1000
+    assert backend_module.host_memory_available(str(meminfo)) == 4096 * 1000
+    assert backend_module.host_memory_available(str(tmp_path / "missing")) == 4096 * 1000
 
     def unknown(name):
         raise ValueError(f"unrecognized configuration name {name}")
 
-    monkeypatch.setattr(device_module.os, "sysconf", unknown)
-    assert device_module.host_memory_available(str(tmp_path / "missing")) is None
+    monkeypatch.setattr(backend_module.os, "sysconf", unknown)
+    assert backend_module.host_memory_available(str(tmp_path / "missing")) is None
 
 
 def test_memory_available_per_backend():

@@ -9,7 +9,7 @@ import torch
 from helpers import assert_bit_identical, forward, make_layers
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.device import HostBackend
+from cpu_offload.backend import HostBackend
 from cpu_offload.host_buffers import MIN_BLOCK_BYTES, HostBufferPool, size_class
 
 WIDTH = 32

@@ -9,7 +9,7 @@ from cpu_offload import LayerState, OffloadableLayerState, OffloadStateError
 from cpu_offload.device import get_backend
 from cpu_offload.handles import unpack_saved
 from cpu_offload.host_buffers import HostBufferPool
-from cpu_offload.layer_state import TRANSITIONS
+from cpu_offload.transitions import TRANSITIONS
 
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 

@@ -18,7 +18,7 @@ from cpu_offload import get_cpu_offload_context, offload_layers
 from cpu_offload.checkpointing import CheckpointedForward
 from cpu_offload.plan import choose_policy, measure_layer
 from cpu_offload.plan.__main__ import policy_json, print_policy
-from cpu_offload.plan.schedule_model import plan_offload
+from cpu_offload.plan.planner import plan_offload
 from cpu_offload.policy import checkpoint_hazards
 
 
