@@ -227,10 +227,10 @@ class OffloadSynchronizer(OffloadEngine):
         return unpack_saved(handle)
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
-        """Policy hook: the forward of ``layer`` starts."""
+        """Schedule hook: the forward of ``layer`` starts."""
 
     def _on_forward_end(self, forward_pass: ForwardPass) -> None:
-        """Policy hook: the forward of the pass's last layer ended."""
+        """Schedule hook: the forward of the pass's last layer ended."""
 
     # -------------------------------------------------------- backward
 
@@ -262,7 +262,7 @@ class OffloadSynchronizer(OffloadEngine):
             self._driven_by_hand = None
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
-        """Policy hook: backward reaches ``layer``."""
+        """Schedule hook: backward reaches ``layer``."""
 
     @staticmethod
     def _release(forward_pass: ForwardPass, layer: int) -> None:
