@@ -1,15 +1,19 @@
-"""``QuantizedTensor``: a quantized value with tensor semantics."""
+"""``QuantizedTensor``: a quantized value with tensor semantics, and its handled ops."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch._ops import OpOverload
 
+from .ops import dispatch, implements, refuse
 from .storage import QuantizedTensorStorage
 
 __all__ = ["QuantizedTensor"]
+
+aten = torch.ops.aten
 
 
 # dequantize(dtype=None) widens torch.Tensor.dequantize(); the dispatch signature is torch's.
@@ -17,12 +21,24 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):  # type: ignore[mis
     """A wrapper tensor subclass holding quantized components.
 
     It has the shape and the nominal (high-precision) dtype of the value it stands
-    for. ``detach`` and ``alias`` share the components; ``.to(device)``/``.cpu()`` and
-    ``pin_memory()`` move or pin the components and stay quantized; ``is_pinned()``
-    asks the components.  An op that would modify a quantized tensor in place
-    (``add_``, ``zero_``, ``copy_`` into it, ``out=``) raises: the components cannot
-    hold an arbitrary new value.  Any other op dequantizes its quantized arguments and
-    runs on plain tensors.
+    for, and handles the aten ops of an explicit table, ``quantized.ops.QUANTIZED_OPS``
+    (the handlers are below the class): ``detach`` and ``alias`` share the components;
+    ``.to(device)``/``.cpu()`` and ``pin_memory()`` move or pin the components and stay
+    quantized; ``is_pinned()`` asks the components; a dtype conversion (``.to(dtype)``,
+    ``.float()``) returns the dequantized value in that dtype.  Metadata (shape, dtype,
+    device, strides) needs no op.
+
+    Every other op raises ``NotImplementedError`` naming the op (see NOTE [The op table
+    of quantized tensors] in ``ops.py``): one that would modify the tensor in place
+    (``add_``, ``zero_``, ``copy_`` into it, ``out=``) because the components cannot
+    hold an arbitrary new value, any other (``q + 1``, ``q @ w``, ``q.view(-1)``,
+    ``x.copy_(q)``) because it would silently compute on a full-precision copy.
+    Call :meth:`dequantize` first to do that on purpose.  Why refuse rather than
+    dequantize (as TransformerEngine does): these tensors are saved activations;
+    ``QuantizedLinear`` reads their components and the offloader moves them through
+    ``prepare_for_saving``, so no path of ours needs the fallback, and code that
+    reaches it would pay a hidden full-precision copy per op (the memory the format
+    exists to save) and get views that are copies.
 
     Subclasses declare their components (annotated ``Component``) and typed metadata
     attributes, and implement :meth:`dequantize`; the constructor takes ``shape``,
@@ -63,10 +79,6 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):  # type: ignore[mis
         )
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, {parts})"
 
-    def _like(self) -> QuantizedTensor:
-        components = dict(zip(self.component_names, self.get_data_tensors()))
-        return type(self)(shape=self.shape, dtype=self.dtype, **self._attributes(), **components)
-
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
         present = [
             n for n, t in zip(self.component_names, self.get_data_tensors()) if t is not None
@@ -79,7 +91,8 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):  # type: ignore[mis
     ) -> QuantizedTensor:
         return cls(**ctx, **inner)
 
-    def _map_components(self, fn: Any) -> QuantizedTensor:
+    def map_components(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensor:
+        """A tensor of the same class and metadata holding ``fn`` of each component."""
         components = {
             name: None if t is None else fn(t)
             for name, t in zip(self.component_names, self.get_data_tensors())
@@ -88,52 +101,55 @@ class QuantizedTensor(torch.Tensor, QuantizedTensorStorage):  # type: ignore[mis
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
-        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        cls, func: OpOverload, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        kwargs = kwargs or {}
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return args[0]._like()
-        if func is torch.ops.aten.is_pinned.default:
-            return all(t.is_pinned() for t in args[0].get_data_tensors() if t is not None)
-        if func is torch.ops.aten._pin_memory.default:
-            return args[0]._map_components(lambda t: t.pin_memory())
-        if func is torch.ops.aten._to_copy.default:
-            moved = _move_components(args[0], kwargs)
-            if moved is not None:
-                return moved
-        _refuse_in_place(func, args, kwargs)
-
-        def plain(value: Any) -> Any:
-            return value.dequantize() if isinstance(value, QuantizedTensor) else value
-
-        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+        return dispatch(func, tuple(args), kwargs or {})
 
 
-def _move_components(q: QuantizedTensor, kwargs: dict[str, Any]) -> QuantizedTensor | None:
-    """``q.to(device)`` as a quantized tensor; ``None`` when the call also converts."""
-    if set(kwargs) - {"device", "non_blocking", "dtype", "layout", "pin_memory"}:
-        return None  # memory_format and the like: dequantize
-    if kwargs.get("dtype") not in (None, q.dtype) or kwargs.get("layout") not in (None, q.layout):
-        return None
-    options = {
-        key: kwargs[key] for key in ("device", "non_blocking", "pin_memory") if key in kwargs
+# The handled ops: NOTE [The op table of quantized tensors] in ops.py.
+
+
+@implements(aten.detach.default, aten.alias.default)
+def _share_components(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0].map_components(lambda t: t)
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    components = [t for t in args[0].get_data_tensors() if t is not None]
+    return all(func(t, *args[1:], **kwargs) for t in components)
+
+
+@implements(aten._pin_memory.default)
+def _pin_memory(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0].map_components(lambda t: func(t, *args[1:], **kwargs))
+
+
+_MOVE_OPTIONS = ("device", "non_blocking", "pin_memory")
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A move keeps the tensor quantized; a dtype conversion dequantizes."""
+    q = args[0]
+    if kwargs.get("dtype") not in (None, q.dtype):
+        return func(q.dequantize(), **kwargs)
+    changes = {
+        key: value
+        for key, value in kwargs.items()
+        if key not in _MOVE_OPTIONS + ("dtype",)
+        and not (key == "layout" and value == q.layout)
+        and not (key == "memory_format" and value == torch.preserve_format)
     }
-    return q._map_components(lambda t: torch.ops.aten._to_copy(t, **options))
-
-
-def _refuse_in_place(func: Any, args: Any, kwargs: dict[str, Any]) -> None:
-    """Raise when ``func`` writes into a quantized tensor."""
-    schema = func._schema
-    for position, argument in enumerate(schema.arguments):
-        alias = argument.alias_info
-        if alias is None or not alias.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        if isinstance(value, QuantizedTensor):
-            op = f"{schema.name}.{schema.overload_name or 'default'}"
-            raise NotImplementedError(
-                f"{type(value).__name__} does not support {op}: it would modify the "
-                "quantized tensor in place, which its components cannot represent. "
-                "Dequantize it first (q.dequantize()) and modify the plain tensor, or "
-                "quantize the new value with the quantizer."
-            )
+    if changes:
+        call = ", ".join(f"{key}={value}" for key, value in changes.items())
+        refuse(
+            func,
+            args,
+            kwargs,
+            f".to({call}) would change how the quantized data is laid out; a quantized "
+            "tensor can only move it (device, non_blocking, pin_memory) or convert its "
+            "dtype, which dequantizes.",
+        )
+    options = {key: kwargs[key] for key in _MOVE_OPTIONS if key in kwargs}
+    return q.map_components(lambda t: func(t, **options))

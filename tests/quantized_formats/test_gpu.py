@@ -53,3 +53,14 @@ def test_scaled_mm_is_used_where_supported(monkeypatch):
     assert calls and out.shape == (64, 256)
     reference = torch.nn.functional.linear(x, layer.weight, layer.bias)
     assert (out.float() - reference.float()).abs().mean() < 0.1 * reference.float().abs().mean()
+
+
+@pytest.mark.parametrize("make", [Float8Quantizer, MXFP8Quantizer], ids=["fp8", "mxfp8"])
+def test_pinning_and_moving_keep_the_tensor_quantized(make):
+    q = make().quantize(torch.randn(64, 64))
+    pinned = q.pin_memory()
+    assert type(pinned) is type(q) and pinned.is_pinned() and not q.is_pinned()
+    assert all(t is None or t.is_pinned() for t in pinned.get_data_tensors())
+    moved = pinned.to(DEVICE, non_blocking=True)
+    assert type(moved) is type(q) and moved.device.type == DEVICE
+    assert torch.equal(moved.dequantize().cpu(), q.dequantize())

@@ -125,3 +125,31 @@ def test_shared_scale_is_copied_once():
     q = Float8Quantizer().quantize(x.detach())
     assert torch.equal(x.grad, 2 * q.dequantize())  # grad * (a + b), grad = 1
     assert isinstance(q, Float8Tensor)
+
+
+class _ComputesOnTheSavedValue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, quantizer):
+        ctx.save_for_backward(quantizer.quantize(x))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (q,) = ctx.saved_tensors
+        return grad * q, None  # q is quantized: aten.mul is not in the op table
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_an_op_outside_the_table_fails_the_same_with_and_without_offload(name):
+    layers = [lambda x: torch.tanh(_ComputesOnTheSavedValue.apply(x, QUANTIZERS[name]()))] * L
+    messages = []
+    for offloaded in (None, 2):
+        ctx = sync_fn = None
+        if offloaded:
+            ctx, sync_fn = get_cpu_offload_context(True, offloaded, L, min_offload_numel=0)
+        x = torch.randn(ROWS, WIDTH, requires_grad=True)
+        out = forward(layers, x, ctx, sync_fn).sum()
+        with pytest.raises(NotImplementedError, match=r"does not support aten::mul\.Tensor") as e:
+            out.backward()
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]

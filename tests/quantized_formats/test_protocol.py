@@ -62,8 +62,6 @@ def test_tensor_semantics(quantizer):
     detached = q.detach()
     assert type(detached) is type(q) and detached is not q
     assert all(a is b for a, b in zip(q.get_data_tensors(), detached.get_data_tensors()))
-    assert torch.equal(q + 1, q.dequantize() + 1)  # unimplemented ops dequantize
-    assert torch.equal((q * 2).sum(), (q.dequantize() * 2).sum())
     names, ctx = q.__tensor_flatten__()
     inner = {name: getattr(q, name) for name in names}
     rebuilt = type(q).__tensor_unflatten__(inner, ctx, q.shape, q.stride())
@@ -87,14 +85,6 @@ def test_in_place_ops_on_a_quantized_tensor_raise(quantizer, op):
     with pytest.raises(NotImplementedError, match="would modify the quantized tensor in place"):
         IN_PLACE[op](q)
     assert torch.equal(q.dequantize(), before)
-
-
-@pytest.mark.parametrize("quantizer", QUANTIZERS)
-def test_a_quantized_tensor_may_be_read_by_in_place_ops_on_plain_tensors(quantizer):
-    q = quantizer.quantize(torch.randn(32, 64))
-    x = torch.zeros(32, 64)
-    x.add_(q)
-    assert torch.equal(x, q.dequantize())
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
