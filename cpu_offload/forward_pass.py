@@ -10,6 +10,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .layer_state import OffloadableLayerState
+from .step_report import Measured, StepRecord
 
 __all__ = ["ForwardPass", "GraphToken"]
 
@@ -64,6 +65,8 @@ class ForwardPass:
         self._token: weakref.ref[GraphToken] | None = None
         #: a layer of the pass is inside the offload context now (entered, not left)
         self.layer_open = False
+        #: memory when the forward ended (for the step report)
+        self.end_of_forward: Measured | None = None
 
     def state(self, layer: int) -> OffloadableLayerState:
         """The state of ``layer``, made when first asked for: a layer that is not
@@ -77,6 +80,10 @@ class ForwardPass:
     def made_state(self, layer: int) -> OffloadableLayerState | None:
         """The state of ``layer`` if it was made (else nothing was ever pushed to it)."""
         return self._states[layer]
+
+    def step_record(self) -> StepRecord:
+        """The pass as a step that ended, for the step report."""
+        return StepRecord(self.index, list(self._states), self.end_of_forward)
 
     @property
     def layer_states(self) -> list[OffloadableLayerState]:

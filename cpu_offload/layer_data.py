@@ -39,6 +39,7 @@ from .copy_timer import CopyTimer
 from .handles import Lease
 from .host_buffers import HostBufferPool
 from .stats import OffloadStats
+from .step_report import SaveCounts
 from .tensor_group import GroupLayout, TensorGroup, TensorGroupProcessor
 
 __all__ = ["NOT_WAITED", "CopyingLayer", "LayerData", "version_keeper"]
@@ -258,6 +259,29 @@ class LayerData:
         hosts, sources = self._with_host(unique)
         self._copy(layer, "d2h", hosts, sources)
         self.in_flight = [backend.record_event(stream)]
+
+    def pushed_bytes(self) -> int:
+        """Bytes of the tensors as pushed (a view's own, a tensor pushed twice twice)."""
+        return sum(t.numel() * t.itemsize for t in self.pushed)
+
+    def count_moves(self, saves: SaveCounts) -> None:
+        """Count, after :meth:`copy_out`, the pushed tensors that moved and those the host
+        cap kept (NOTE [Counting saved tensors for nearly nothing] in step_report.py)."""
+        saves.copied_bytes += self.host_bytes
+        pushed = self.pushed
+        if not self.grouped and not self.stay:  # each pushed tensor copied as it is
+            saves.moved += len(pushed)
+            saves.moved_bytes += self.host_bytes
+            return
+        sources = self.layout.source_index if self.layout is not None else range(len(pushed))
+        for tensor, source in zip(pushed, sources):
+            nbytes = tensor.numel() * tensor.itemsize
+            if self.host[source] is None:
+                saves.capped += 1
+                saves.capped_bytes += nbytes
+            else:
+                saves.moved += 1
+                saves.moved_bytes += nbytes
 
     def copy_in(self, layer: CopyingLayer) -> None:
         """Queue the host-to-device copies back, one event for the layer."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -18,10 +18,18 @@ from .checkpointing import checkpoint_forward
 from .context import get_cpu_offload_context
 from .errors import CpuOffloadError
 from .layer_context import OffloadContext
-from .layer_discovery import find_layers, primary_tensor
+from .layer_discovery import locate_layers, primary_tensor
+from .log import logger, warn
 from .marking import mark_not_offload
-from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
+from .policy import (
+    OFFLOADED,
+    check_policy,
+    checkpointed_modules,
+    describe_policy,
+    warn_checkpoint_hazards,
+)
 from .schedule import max_offloaded
+from .step_report import StepReport
 
 __all__ = ["OffloadLayersHandle", "offload_layers"]
 
@@ -125,6 +133,11 @@ class OffloadLayersHandle:
             (nothing is offloaded, nothing checkpointed); a forward pass must not span
             a change.
         forwards_seen: the layer forwards the hooks have seen while enabled.
+        found: the layers and where they were found (``"4 LlamaDecoderLayer at
+            model.layers"``).
+        policy: per layer, ``offload``, ``keep``, ``checkpoint`` or
+            ``checkpoint+offload`` (None under manual synchronization).
+        k: the ``k`` the layers were chosen by, or None for a policy.
     """
 
     def __init__(self, context: OffloadContext, sync_fn: Any, controller: Any) -> None:
@@ -134,10 +147,32 @@ class OffloadLayersHandle:
         self.offload_synchronizer = context.offload_synchronizer
         self.enabled = True
         self.forwards_seen = 0
+        self.found = ""
+        self.policy: list[str] | None = None
+        self.k: int | None = None
         self._hooks: list[Any] = []
         self._watchers: list[Any] = []  # gradient hooks waiting for the first forward
         self._warned_checkpoint = False
         self._call = _LayerCall()
+
+    def report(self) -> StepReport:
+        """What the last step did, per layer: the tensors saved, moved and kept (and
+        why), whether each checkpointed layer was recomputed, host and device memory.
+        A step is a forward pass and its backward (NOTE [What a step is] in
+        step_report.py); ``print()`` the report for a table, ``to_dict()`` for loggers."""
+        return self.offload_synchronizer.report(self.policy)
+
+    def __repr__(self) -> str:
+        synchronizer = self.offload_synchronizer
+        if self.policy is None:
+            schedule = "a manual controller offloads"
+        else:
+            k = f" (k={self.k})" if self.k is not None else ""
+            schedule = f"layers {describe_policy(self.policy)}{k}"
+        return (
+            f"OffloadLayersHandle({self.found}; {schedule}; {synchronizer.thresholds()}; "
+            f"device {synchronizer.backend.device}{'' if self._hooks else '; removed'})"
+        )
 
     def remove(self) -> None:
         """Remove the hooks: the modules behave as before.
@@ -185,7 +220,7 @@ class OffloadLayersHandle:
         def check(param: torch.Tensor) -> None:
             if self.forwards_seen == 0 and self._watchers:
                 self._stop_watching()
-                warnings.warn(
+                warn(
                     "cpu_offload: a backward reached the parameters of the offloaded layers, "
                     "but no forward since offload_layers() went through its hooks, so "
                     "nothing was offloaded. The usual cause is torch.compile: a model (or "
@@ -216,7 +251,7 @@ class OffloadLayersHandle:
                 "offload_layers, so that its hooks go on the checkpoint wrappers and the "
                 "checkpoint's inputs are offloaded."
             )
-        warnings.warn(
+        warn(
             f"cpu_offload: offloaded layer {type(layer).__name__} runs inside activation "
             "checkpointing (torch.utils.checkpoint): only the checkpoint's inputs are saved "
             "for backward, outside the hooks, so this layer offloads nothing. " + advice,
@@ -282,7 +317,7 @@ def offload_layers(
         2
         >>> handle.remove()
     """
-    layers = find_layers(model)
+    layers, where = locate_layers(model)
     manual = bool(options.get("manual_synchronization", False))
     owner = type(model).__name__
     if (policy is None) == (num_offloaded_layers is None):
@@ -328,6 +363,13 @@ def offload_layers(
     context, sync_fn = result[0], result[1]
     handle = OffloadLayersHandle(context, sync_fn, result[2] if manual else None)
     synchronizer = context.offload_synchronizer
+    kinds = {type(layer).__name__ for layer in layers}
+    handle.found = f"{len(layers)} {kinds.pop() if len(kinds) == 1 else 'modules'} at {where}"
+    if where != "the list given":
+        handle.found += f" of {owner}"
+    if not manual:
+        handle.policy = chosen or ["offload" if i < count else "keep" for i in range(len(layers))]
+        handle.k = None if policy is not None else count
     positions: dict[int, list[int]] = {}  # module id -> its positions in the list
     for position, layer in enumerate(layers):
         positions.setdefault(id(layer), []).append(position)
@@ -385,12 +427,14 @@ def offload_layers(
         handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
     # Inside the hooks: see NOTE [Checkpoint inside the offload context]
     warned: set[str] = set()  # once per handle
-    handle._hooks.extend(
-        checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned)
-        for m in checkpointed
-    )
+    for module in checkpointed:
+        at = positions[id(module)]
+        request = checkpoint_forward(module, lambda: handle.enabled, at[0], warned)
+        request.on_recompute = functools.partial(synchronizer.recorder.note_recompute, *at)
+        handle._hooks.append(request)
     if checkpointed:
         warn_checkpoint_hazards(layers, chosen)
     if count > 0:
         handle._watch_for_missed_forwards(unique)
+    logger.info("offload_layers: %r", handle)
     return handle
