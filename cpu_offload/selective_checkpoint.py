@@ -322,7 +322,7 @@ def create_selective_checkpoint_contexts(
         CpuOffloadError: the installed torch builds selective checkpointing otherwise
             than this function knows (it was written against torch 2.13).
 
-    Example:
+    Example (a whole model in docs/usage.md, "Selective checkpointing with offload"):
         >>> import functools, torch
         >>> from torch.utils.checkpoint import CheckpointPolicy, checkpoint
         >>> from cpu_offload import create_selective_checkpoint_contexts
@@ -331,8 +331,11 @@ def create_selective_checkpoint_contexts(
         ...         return CheckpointPolicy.MUST_CPU_OFFLOAD
         ...     return CheckpointPolicy.PREFER_RECOMPUTE
         >>> context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-        >>> x = torch.randn(4, 4, requires_grad=True)
-        >>> y = checkpoint(lambda t: (t @ t).sin(), x, use_reentrant=False, context_fn=context_fn)
+        >>> def layer(h):  # run it inside an offloaded layer
+        ...     return checkpoint(lambda t: (t @ t).sin(), h, use_reentrant=False,
+        ...                       context_fn=context_fn)
+        >>> [type(mode).__name__ for mode in context_fn()]
+        ['OffloadingCachingMode', '_CachedTorchDispatchMode']
     """
     caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(
         policy_fn_or_list, allow_cache_entry_mutation
