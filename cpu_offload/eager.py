@@ -38,6 +38,7 @@ _HOOK_MODULES = (
     "cpu_offload.marks",
     "cpu_offload.per_thread",
     "cpu_offload.selection",
+    "cpu_offload.selective_checkpoint",
     "cpu_offload.stats",
     "cpu_offload.synchronizer",
     "cpu_offload.tensor_group",
