@@ -110,7 +110,9 @@ class AutoPolicy:
     Attributes:
         plan: the :class:`~cpu_offload.plan.PolicyPlan` in force; None until the
             measuring step is over.
-        measured: what each layer saved in the measured step (the plan's source).
+        measured: what each layer saved in the measured step (the plan's source; see
+            :func:`~cpu_offload.measured_step.census_report`); None until its forward
+            ends.
         link: the copy bandwidth (device to host, host to device), bytes per second.
         measured_peak: on a device that reports memory, the last step's peak of
             activations (allocated above what was allocated when it started).
@@ -208,7 +210,7 @@ class AutoPolicy:
         if self.measured is not None and self.plan is not None:
             checkpointed = [c in CHECKPOINTED for c in self.plan.policy]
             layers = rescaled(layers, self.measured, checkpointed)
-        self._pending = layers
+        self.measured = self._pending = layers
 
     def first_layer(self, layer: MeasuredLayer) -> bool:
         plan, measured = self.plan, self.measured
@@ -240,7 +242,6 @@ class AutoPolicy:
 
     def _make_plan(self) -> None:
         records, self._pending = self._pending or [], None
-        self.measured = records
         timed = [r.forward_s for r in records if r.forward_s is not None]
         fill = sum(timed) / len(timed) if timed else 0.0
         costs = []

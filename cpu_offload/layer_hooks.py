@@ -326,6 +326,11 @@ def offload_layers(
             "offload; pass one: policy=[...] with 'offload' (or 'checkpoint+offload') at "
             "the layers to offload, and 'keep' elsewhere."
         )
+    if "copy_bandwidth" in options and memory_budget is None:
+        raise TypeError(
+            "offload_layers: copy_bandwidth= is the link the memory_budget= plan assumes; "
+            "pass it with memory_budget=..., or leave it out."
+        )
     checkpointed: list[nn.Module] = []
     chosen: list[str] = []
     count, auto = 0, None

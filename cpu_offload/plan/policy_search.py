@@ -351,7 +351,7 @@ class PolicySearch:
             " (and some layers may not be checkpointed: below)" if self.no_checkpoint.any() else ""
         )
         return (
-            f"why nothing fits: the smallest peak of any policy is {size(row.peak_bytes)} (at "
+            f"why nothing fits: the closest policy found peaks at {size(row.peak_bytes)} (at "
             f"{at}), above the budget of {size(budget)}. A layer's saved activations are all "
             f"on the device during its backward (the largest layer saves {size(largest)}), "
             "the last layer is never offloaded, checkpointed layers keep what of their "
