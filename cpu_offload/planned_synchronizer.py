@@ -78,6 +78,11 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
         self._inputs: dict[int, list[torch.Tensor]] = {}
         self._clock: LayerClock | None = None
 
+    @property
+    def plan(self) -> Any:
+        """The listener's plan in force (a ``PolicyPlan``), None until one is made."""
+        return getattr(self.listener, "plan", None)
+
     def schedule(self, offloaded_layers: Sequence[int]) -> None:
         """Offload ``offloaded_layers`` from the next forward pass on (the default
         schedule's release and reload points for them, ``schedule.py``)."""
