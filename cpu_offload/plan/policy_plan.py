@@ -21,7 +21,7 @@ _SHORT = {
 
 def size(nbytes: float) -> str:
     """Bytes as a person reads them: ``"1.50 MiB"``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{int(nbytes)} B"
