@@ -423,3 +423,40 @@ def test_the_link_from_a_check_json_and_remove_restores_the_modules(tmp_path, ca
     handle.remove()
     assert all("forward" not in block.__dict__ for block in model)
     assert all(not block._forward_pre_hooks and not block._forward_hooks for block in model)
+
+
+def test_a_forward_without_grad_or_one_that_raises_is_not_the_measured_step(capsys):
+    model = sequential()
+    x = torch.randn(64, 32)
+    plain = grads_of(model, lambda: model(x).sum().backward())
+    handle = offload_layers(model, memory_budget=300_000, min_offload_numel=0)
+    with torch.no_grad():
+        model(x)  # evaluation saves nothing: not a step to plan from
+    model[2].register_forward_hook(lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(x)
+    model[2]._forward_hooks.popitem()
+    assert handle.auto.measured is None
+    for _ in range(3):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(plain, grads_of(model, lambda: model(x).sum().backward()))
+        )
+    assert handle.plan is not None and handle.auto.measured[0].saved_bytes > 0
+    assert handle.plan.policy != ["keep"] * 5
+    handle.remove()
+
+
+def test_the_clock_reads_timing_events_on_a_device():
+    from cpu_offload.measured_step import LayerClock
+    from cpu_offload.testing import strict_runtime
+
+    with strict_runtime("cuda") as runtime:
+        clock = LayerClock(runtime.backend(), 3)
+        clock.on_host = False  # as on an accelerator: events on the compute stream
+        for layer in (0, 2):
+            clock.start(layer)
+            torch.randn(256, 256) @ torch.randn(256, 256)
+            clock.stop(layer)
+        seconds = clock.seconds()
+    assert seconds[1] is None and all(s is not None and s > 0 for s in (seconds[0], seconds[2]))
