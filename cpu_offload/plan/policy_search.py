@@ -175,6 +175,21 @@ def simulate_many(
 LOCAL_SEARCH_STARTS = 8
 
 
+def _layers(positions: list[int], names: Sequence[str]) -> str:
+    """``"layer 3 (Block)"``, ``"layers 0-31"``: positions as runs, with their class
+    where they share one."""
+    runs: list[list[int]] = []
+    for j in positions:
+        if runs and runs[-1][1] == j - 1:
+            runs[-1][1] = j
+        else:
+            runs.append([j, j])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    kinds = {names[j] for j in positions if j < len(names)}
+    kind = f" ({kinds.pop()})" if len(kinds) == 1 and len(names) > max(positions) else ""
+    return f"layer{'s' if len(positions) > 1 else ''} {text}{kind}"
+
+
 def _check_layers(num_layers: object) -> None:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(f"choose_policy: num_layers must be an int, got {num_layers!r}.")
@@ -244,10 +259,12 @@ class PolicySearch:
         search._build(
             list(costs), d2h_bytes_per_s, h2d_bytes_per_s, [bool(h) for h in hazards], modules
         )
+        where: dict[str, list[int]] = {}  # each hazard, said once for all its layers
+        for j, found in enumerate(hazards):
+            for hazard in found:
+                where.setdefault(hazard, []).append(j)
         search.checkpoint_refused = [
-            f"layer {j}{f' ({names[j]})' if j < len(names) else ''}: {hazard}"
-            for j, found in enumerate(hazards)
-            for hazard in found
+            f"{_layers(at, names)}: {hazard}" for hazard, at in where.items()
         ]
         search.layer_names = list(names)
         search.refine = any(c != costs[0] for c in costs)
