@@ -218,6 +218,16 @@ class LayerData:
 
     # -------------------------------------------------------------- copies
 
+    def to_copy(self) -> tuple[list[torch.Tensor], GroupLayout | None]:
+        """The device tensors a copy out reads: one per distinct tensor, a view that moves
+        through its base as that base (group processing, where it has work; otherwise
+        the tensors as pushed); and the layout that undoes the grouping (None: none)."""
+        if not self.grouped:
+            return self.pushed, None
+        group = TensorGroup(self.pushed, self.ready, via_base=self.via_base or set())
+        processed = TensorGroupProcessor.process_before_offload(group)
+        return processed.tensor_list, processed.aux
+
     def copy_out(self, layer: CopyingLayer) -> None:
         """Queue the device-to-host copies of what was pushed on ``layer``'s offload
         stream (NOTE [Offload stream ordering])."""
@@ -232,12 +242,7 @@ class LayerData:
             if tensor._version != versions[index]:
                 self.modified[index] = tensor._version
                 ready[index] = backend.record_event()
-        if self.grouped:
-            group = TensorGroup(pushed, ready, via_base=self.via_base or set())
-            processed = TensorGroupProcessor.process_before_offload(group)
-            unique, self.layout = processed.tensor_list, processed.aux
-        else:
-            unique = pushed  # one copy per pushed tensor, as it is
+        unique, self.layout = self.to_copy()
         self.unique = unique
         sizes = [t.nbytes for t in unique]
         pool = layer.host_buffers

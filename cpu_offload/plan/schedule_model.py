@@ -28,7 +28,7 @@ from ..schedule import schedule_points
 from .census import LayerProfile
 from .profiles import DeviceProfile
 
-__all__ = ["LayerCosts", "PlanRow", "first_k", "simulate", "simulate_policy"]
+__all__ = ["LayerCosts", "PlanRow", "first_k", "layer_costs", "simulate", "simulate_policy"]
 
 
 @dataclass
@@ -105,6 +105,21 @@ class LayerCosts:
         return [self] + [self.following or self] * (num_layers - 1)
 
 
+def layer_costs(costs: LayerCosts | Sequence[LayerCosts], num_layers: int) -> list[LayerCosts]:
+    """One :class:`LayerCosts` per layer of a stack of ``num_layers``: a profile's
+    :meth:`LayerCosts.per_layer`, or a list with one entry per layer as it is (layers
+    that differ: dense and mixture-of-experts layers, the first and the last, hybrids)."""
+    if isinstance(costs, LayerCosts):
+        return costs.per_layer(num_layers)
+    each = list(costs)
+    if len(each) != num_layers:
+        raise ValueError(
+            f"simulate_policy: {len(each)} layer costs for a policy of {num_layers} layers; "
+            "give one LayerCosts per layer, or one for all of them."
+        )
+    return each
+
+
 def simulate(
     num_layers: int,
     k: int,
@@ -131,7 +146,7 @@ def first_k(num_layers: int, k: int) -> list[str]:
 
 def simulate_policy(
     policy: Sequence[str],
-    costs: LayerCosts,
+    costs: LayerCosts | Sequence[LayerCosts],
     d2h_bytes_per_s: float,
     h2d_bytes_per_s: float,
     *,
@@ -141,7 +156,8 @@ def simulate_policy(
     the offloaded layers (``offload``, ``checkpoint+offload``) are released and reloaded
     as :class:`~cpu_offload.DefaultOffloadSynchronizer` schedules its ``offloaded_layers``;
     a checkpointed layer keeps its inputs saved and runs its forward again in backward,
-    where its saved activations are back on the device until the layer below runs."""
+    where its saved activations are back on the device until the layer below runs.
+    ``costs`` is one layer's, for a stack of layers alike, or a list of one per layer."""
     L = len(policy)
     offloaded = [j for j, choice in enumerate(policy) if choice in OFFLOADED]
     m = len(offloaded)
@@ -149,7 +165,7 @@ def simulate_policy(
     release_at = {layer: release for layer, (release, _) in points.items()}
     released_at = {release: layer for layer, (release, _) in points.items()}
     reloaded_at = {reload: layer for layer, (_, reload) in points.items()}
-    each = costs.per_layer(L)
+    each = layer_costs(costs, L)
     saved = [
         each[j].saved_bytes if c not in CHECKPOINTED else each[j].input_bytes
         for j, c in enumerate(policy)

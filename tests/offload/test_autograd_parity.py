@@ -72,6 +72,16 @@ class Offload:
             policy = functools.partial(saved_instead_of_offloaded, policy)
         return functools.partial(torch_sac, policy, allow_cache_entry_mutation=allow)
 
+    def budget(self, modules: list[torch.nn.Module]) -> None:
+        """``offload_layers(modules, memory_budget=...)``: a measured step, then the
+        policy chosen for :data:`BUDGETS` at this k; the baseline runs the plain modules."""
+        if self.k is not None:
+            budget, link = BUDGETS[self.k]
+            handle = offload_layers(
+                modules, memory_budget=budget, min_offload_numel=0, copy_bandwidth=link
+            )
+            self.handles.append(handle.context)
+
     @property
     def tensors_offloaded(self) -> int:
         return sum(h.offload_synchronizer.stats.tensors_offloaded for h in self.handles)
@@ -620,6 +630,43 @@ def per_layer_policy(inplace: bool) -> Callable[[Offload], list]:
     return program
 
 
+#: the memory budget and copy bandwidth of the automatic rows per k: a budget that keeps a
+#: layer (the link measured), and one nothing fits on a link so slow that the closest
+#: policy recomputes
+BUDGETS: dict[int, tuple[int, float | None]] = {1: (700, None), 2: (1, 1e3)}
+
+
+def automatic_policy(lengths: tuple[int, ...], inplace: bool = False) -> Callable[[Offload], list]:
+    """offload_layers(memory_budget=...): a measured step, then steps under the policy
+    chosen from it (dropout in checkpointed layers, recomputed with the same masks); a
+    longer input measured again and planned for; optionally a layer's input modified in
+    place after the last forward."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Tanh())
+            for _ in range(L)
+        ]
+        off.budget(blocks)
+        found = []
+        for step, rows in enumerate(lengths):
+            x = leaf(rows, 4)
+            h, inputs = x * 1, []
+            for block in blocks:
+                inputs.append(h)
+                h = block(h)
+            if inplace and step == len(lengths) - 1:
+                inputs[1].mul_(2)  # layer 1's input, saved by its first operation or checkpoint
+            h.sum().backward()
+            found += [x.grad, *(p.grad.clone() for block in blocks for p in block.parameters())]
+            for block in blocks:
+                block.zero_grad(set_to_none=True)
+        return found
+
+    return program
+
+
 class Keywords(torch.nn.Module):
     """A layer whose keyword arguments are named like ``torch.utils.checkpoint``'s own;
     each changes what it computes."""
@@ -1001,6 +1048,11 @@ PROGRAMS = {
     "SAC: backward twice": Row(sac_backward_twice, match="Trying to backward an extra time"),
     "SAC: offload_layers on blocks that checkpoint": Row(sac_in_offload_layers),
     "SAC: OffloadActivations around a whole forward": Row(sac_in_a_whole_forward),
+    "memory_budget: measured, then planned": Row(automatic_policy((8, 8, 8))),
+    "memory_budget, a longer input measured again": Row(automatic_policy((8, 8, 24, 24, 8))),
+    "memory_budget, a layer's input modified in place": Row(
+        automatic_policy((8, 8), inplace=True), match=MODIFIED
+    ),
 }
 
 
