@@ -96,6 +96,21 @@ def test_flops_of_a_linear_layer():
     assert layer.saved_bytes == 64 * 512 * 4  # the input; the weight is a parameter
 
 
+def test_the_kernels_of_a_layer_carry_its_flops_and_the_bytes_it_moves():
+    """forward and backward kernels: the matmuls and the elementwise work beside them,
+    which a device profile with a memory bandwidth times as a roofline."""
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU())  # noqa: E731
+    layer = measure_layer(make, torch.empty(64, 512, device="meta"), min_offload_numel=0)
+    assert sum(f for f, _ in layer.forward_kernels) == layer.forward_flops
+    assert sum(f for f, _ in layer.backward_kernels) == layer.backward_flops
+    gelu = 2 * 64 * 1024 * 4  # reads its input, writes its output (float32)
+    assert (0, gelu) in layer.forward_kernels
+    h100 = get_profile("h100")
+    roofline = sum(h100.kernel_seconds(f, b) for f, b in layer.forward_kernels)
+    assert LayerCosts.of(layer, h100).forward_s == pytest.approx(roofline)
+    assert roofline > layer.forward_flops / h100.flops_per_s  # GELU is memory-bound
+
+
 def test_classification_names_why_tensors_stay():
     spec = preset_layer("tiny")
     layer = measure_layer(spec.make_layer, spec.inputs, min_offload_numel=2**18, attention="cpu")
