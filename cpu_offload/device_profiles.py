@@ -131,13 +131,17 @@ class DeviceProfile:
         return seconds + self.launch_s
 
     def compute_seconds(self, flops: float, kernels: Sequence[tuple[int, int]] = ()) -> float:
-        """Device time of a layer's forward or backward: the sum of :meth:`kernel_seconds`
-        over its ``(flops, bytes)`` kernels; ``flops`` at :attr:`flops_per_s` where the
-        kernels are not known, or where the profile has neither a memory bandwidth nor a
-        launch latency (the same figure)."""
-        if not kernels or (self.memory_bytes_per_s is None and self.launch_s == 0):
+        """Time of a layer's forward or backward: the sum of :meth:`kernel_seconds` over
+        its ``(flops, bytes)`` kernels, or the host's time to issue them where that is
+        longer (a launch-bound layer); ``flops`` at :attr:`flops_per_s` where the kernels
+        are not known, or where the profile has no memory bandwidth, launch latency nor
+        issue time (the same figure)."""
+        if not kernels or (
+            self.memory_bytes_per_s is None and self.launch_s == 0 and self.host_issue_s == 0
+        ):
             return flops / self.flops_per_s
-        return sum(self.kernel_seconds(f, b) for f, b in kernels)
+        device = sum(self.kernel_seconds(f, b) for f, b in kernels)
+        return max(device, len(kernels) * self.host_issue_s)
 
     @classmethod
     def from_json(cls, path: str | Path, flops_per_s: float | None = None) -> DeviceProfile:

@@ -185,7 +185,7 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
     layer = dataclasses.asdict(plan.layer)
     for measured in (layer, layer["following"]):
         if measured is not None:  # the long lists stay out: their totals are there
-            for key in ("saved", "forward_kernels", "backward_kernels"):
+            for key in ("saved", "forward_kernels", "backward_kernels", "recompute_kernels"):
                 measured.pop(key)
     return {
         "description": description,

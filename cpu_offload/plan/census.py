@@ -65,6 +65,9 @@ class LayerProfile:
         forward_kernels, backward_kernels: ``(flops, bytes)`` of each kernel the
             forward and the backward launch (``kernel_costs.kernel_cost``): a device
             profile times them as a roofline (``DeviceProfile.compute_seconds``).
+        recompute_kernels: the kernels a checkpointed layer runs again in backward: its
+            forward's up to its last saved tensor (non-reentrant checkpointing stops
+            there: ``torch.utils.checkpoint``'s early stop).
     """
 
     saved_bytes: int
@@ -86,6 +89,7 @@ class LayerProfile:
     unpredictable: str = ""
     forward_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
     backward_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    recompute_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
 
 class _Kernels(TorchDispatchMode):
@@ -94,6 +98,7 @@ class _Kernels(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.kernels: list[tuple[int, int]] = []
+        self.at_last_save = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -109,10 +114,15 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def _record(saved: list[torch.Tensor]) -> Iterator[None]:
+def _record(saved: list[torch.Tensor], kernels: _Kernels | None = None) -> Iterator[None]:
+    """Record what autograd saves; with ``kernels``, how many kernels had run at the
+    last save (``LayerProfile.recompute_kernels``)."""
+
     def pack(tensor: Any) -> Any:
         if isinstance(tensor, torch.Tensor):
             saved.append(tensor)
+        if kernels is not None:
+            kernels.at_last_save = len(kernels.kernels)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -178,7 +188,8 @@ def measure_layer(
     saved: list[torch.Tensor] = []
     mode = DeviceKernels(attention, fused_dropout)
     forward_kernels, backward_kernels = _Kernels(), _Kernels()
-    with FlopCounterMode(display=False) as forward_counter, mode, _record(saved), forward_kernels:
+    recording = _record(saved, forward_kernels)
+    with FlopCounterMode(display=False) as forward_counter, mode, recording, forward_kernels:
         output = layer(*inputs, **(kwargs or {}))
     primary = primary_tensor(output)
     if primary is None or primary.grad_fn is None:
@@ -203,6 +214,7 @@ def measure_layer(
         checkpoint_hazards=checkpoint_hazards(layer),
         forward_kernels=forward_kernels.kernels,
         backward_kernels=backward_kernels.kernels,
+        recompute_kernels=forward_kernels.kernels[: forward_kernels.at_last_save],
     )
 
     def run(chained: list[Any]) -> tuple[dict[str, Any], Any]:
