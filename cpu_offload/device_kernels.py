@@ -6,11 +6,15 @@ input's dtype.  A GPU or an NPU runs a fused attention kernel (flash, or the eff
 kernel when there is a mask) and fused dropout (a 1-byte mask).  :class:`DeviceKernels`
 routes those calls to the kernels the device runs, so that shapes-only runs save what a
 device run saves: the planner's census measures layers under it (``plan/census.py``), and
-the modeled runtime runs whole programs under it (``cpu_offload.testing.timed_runtime``).
+the modeled runtime runs whole programs under it (``cpu_offload.testing.timed_runtime``),
+through :meth:`DeviceKernels.patched`: torch-function modes do not reach a checkpointed
+layer's recompute inside backward, and the recompute must run the kernels its forward ran.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,6 +29,7 @@ __all__ = ["ATTENTIONS", "DeviceKernels"]
 #: log-sum-exp per row, O(s); ``"cpu"``, the CPU's flash kernel (what a CPU run saves);
 #: ``"math"``, the math implementation (the s x s probabilities among what it saves).
 ATTENTIONS = ("flash", "cpu", "math")
+_SDPA, _DROPOUT = F.scaled_dot_product_attention, F.dropout
 
 
 class DeviceKernels(TorchFunctionMode):
@@ -48,15 +53,38 @@ class DeviceKernels(TorchFunctionMode):
         self.uncounted: list[tuple[torch.Size, torch.Size, torch.Size]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.dropout and self.fused_dropout:
+        return self.run(func, args, kwargs or {})
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """The same routing without a mode: ``torch.nn.functional``'s attention and
+        dropout replaced inside the block (everywhere: every thread, backward too)."""
+
+        def routed(original: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return self.run(original, args, kwargs)
+
+            return call
+
+        saved = {"scaled_dot_product_attention": _SDPA, "dropout": _DROPOUT}
+        for name, original in saved.items():
+            setattr(F, name, routed(original))
+        try:
+            yield
+        finally:
+            for name, original in saved.items():
+                setattr(F, name, original)
+
+    def run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)``, or the device's kernel in its place."""
+        if func is _DROPOUT and self.fused_dropout:
             given = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
             p, training = given.get("p", 0.5), given.get("training", True)
             if training and 0 < p < 1 and not given.get("inplace", False):
                 # GPUs and NPUs run the fused kernel, which saves a 1-byte mask.
                 return torch.ops.aten.native_dropout(given["input"], p, True)[0]
             return func(*args, **kwargs)
-        if func is not F.scaled_dot_product_attention or self.attention == "math":
+        if func is not _SDPA or self.attention == "math":
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
         given = dict(zip(names, args), **kwargs)

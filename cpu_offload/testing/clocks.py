@@ -43,9 +43,10 @@ class StreamClock:
         copy_s: time spent running copies.
         waited_s: time spent waiting for events of other streams.
         host_bound_s: time idle because the host had not issued the next work.
-        log: ``(start, end, kind, what)`` of each kernel, copy and wait, where the
-            timeline records (``kind`` is ``"kernel"``, ``"d2h"``, ``"h2d"``,
-            ``"d2d"`` or ``"wait"``; ``what`` the operator, or the layer's name).
+        log: ``(start, end, kind, what, phase)`` of each kernel, copy and wait, where
+            the timeline records (``kind`` is ``"kernel"``, ``"d2h"``, ``"h2d"``,
+            ``"d2d"`` or ``"wait"``; ``what`` the operator, the bytes copied or what
+            was waited for; ``phase`` the program's name for the part of the step).
     """
 
     name: str
@@ -55,7 +56,7 @@ class StreamClock:
     copy_s: float = 0.0
     waited_s: float = 0.0
     host_bound_s: float = 0.0
-    log: list[tuple[float, float, str, Any]] = field(default_factory=list, repr=False)
+    log: list[tuple[float, float, str, Any, str]] = field(default_factory=list, repr=False)
 
 
 class Timeline:
@@ -74,6 +75,7 @@ class Timeline:
         streams: every stream's clock, the compute stream first.
         host_log: ``(start, end, what)`` of each host stall.
         copied: bytes per direction (``"d2h"``, ``"h2d"``, ``"d2d"``).
+        phase: the program's name for the part of the step it is in (``TimedReport.begin``).
     """
 
     def __init__(self, profile: DeviceProfile, record: bool = True) -> None:
@@ -86,6 +88,7 @@ class Timeline:
         self.streams: list[StreamClock] = []
         self.host_log: list[tuple[float, float, str]] = []
         self.copied = {"d2h": 0, "h2d": 0, "d2d": 0}
+        self.phase = ""
         self._issue = profile.host_issue_s
         self._launch = profile.launch_s
 
@@ -108,7 +111,7 @@ class Timeline:
         stream.time = start + seconds
         stream.busy_s += seconds
         if self.record:
-            stream.log.append((start, stream.time, "kernel", what))
+            stream.log.append((start, stream.time, "kernel", what, self.phase))
         return start
 
     def copy(
@@ -133,7 +136,7 @@ class Timeline:
         stream.copy_s += seconds
         self.copied[direction] += nbytes
         if self.record:
-            stream.log.append((start, stream.time, direction, what))
+            stream.log.append((start, stream.time, direction, what, self.phase))
         if not pinned and direction != "d2d":
             self.host_wait(stream.time, "pageable copy")
         return start
@@ -145,7 +148,7 @@ class Timeline:
             if stream.is_compute:
                 stream.waited_s += time - ready
             if self.record:
-                stream.log.append((ready, time, "wait", what))
+                stream.log.append((ready, time, "wait", what, self.phase))
         if time > stream.time:
             stream.time = time
 

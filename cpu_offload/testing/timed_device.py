@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from ..device_kernels import DeviceKernels
 from ..device_profiles import DeviceProfile, get_profile
 from ..kernel_costs import ALIASES, kernel_cost, memory_bytes, storage_id, tensors_in
 from .clocks import Timeline
-from .device_memory import DeviceMemory
+from .device_memory import DeviceMemory, MemoryMark
 from .simulator import ComputeWatch, SimulatedBackend, SimulatedEvent
 from .timed_report import TimedReport
 from .timed_streams import TimedEvent, TimedStream
@@ -204,7 +204,15 @@ class TimedRuntime:
             pinned = False  # torch_npu stages it through pageable memory
         if direction != "d2d" and not pinned:
             self._on_sync(f"a {direction} copy with pageable memory")
-        self.timeline.copy(self.current.clock, direction, memory_bytes(src), pinned, direction)
+        nbytes = memory_bytes(src)
+        self.timeline.copy(self.current.clock, direction, nbytes, pinned, nbytes)
+
+    # -- what the program tells the report (TimedReport.mark, TimedReport.begin)
+    def mark(self, label: str, not_counted: Iterable[Any]) -> MemoryMark:
+        return self.memory.mark(label, not_counted, self.compute.clock)
+
+    def begin(self, phase: str) -> None:
+        self.timeline.phase = phase
 
 
 class OpTiming(TorchDispatchMode):
@@ -304,18 +312,18 @@ def timed_runtime(
     )
     report = TimedReport(chosen, runtime.flavour, runtime.device, data)
     memory = runtime.memory
-    report.marker = lambda label, tensors: memory.mark(label, tensors, runtime.compute.clock)
+    report.live = runtime
     with contextlib.ExitStack() as stack:
         stack.enter_context(override_host_backend(runtime.backend))
         if runtime.strict is not None:
             stack.enter_context(ComputeWatch(runtime.strict))
         stack.enter_context(OpTiming(runtime))
-        if runtime.strict is None:
-            stack.enter_context(DeviceKernels("flash", fused_dropout=True))
+        if runtime.strict is None:  # the kernels a device runs (NOTE [Modeled accelerator])
+            stack.enter_context(DeviceKernels("flash", fused_dropout=True).patched())
         try:
             yield report
         finally:
-            report.marker = None
+            report.live = None
     runtime.timeline.host = runtime.timeline.end()  # the block's work completes
     memory.poll()
     if runtime.strict is not None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -12,9 +12,17 @@ from ..device_profiles import DeviceProfile
 from .clocks import StreamClock
 from .device_memory import MemoryMark
 
-__all__ = ["TimedReport"]
+__all__ = ["LiveRun", "TimedReport"]
 
 GIB = 2**30
+
+
+class LiveRun(Protocol):
+    """What a report asks of its run while the block runs (``timed_device.TimedRuntime``)."""
+
+    def mark(self, label: str, not_counted: Iterable[Any]) -> MemoryMark: ...
+
+    def begin(self, phase: str) -> None: ...
 
 
 @dataclass
@@ -63,19 +71,27 @@ class TimedReport:
     curve: list[tuple[float, int]] = field(default_factory=list, repr=False)
     streams: list[StreamClock] = field(default_factory=list, repr=False)
     host_log: list[tuple[float, float, str]] = field(default_factory=list, repr=False)
-    #: set while the block runs: notes a mark
-    marker: Callable[[str, Iterable[Any]], MemoryMark] | None = field(default=None, repr=False)
+    #: the run, while the block runs
+    live: LiveRun | None = field(default=None, repr=False)
 
-    def mark(self, label: str, not_counted: Iterable[Any] = ()) -> MemoryMark:
-        """Note device memory now (inside the block), less the memory of the
-        ``not_counted`` tensors (a layer's output on its way to the next layer,
-        parameter gradients, ...): what :attr:`counted_peak_bytes` compares."""
-        if self.marker is None:
+    def _run(self, what: str) -> LiveRun:
+        if self.live is None:
             raise RuntimeError(
-                "TimedReport.mark: the modeled run has ended; mark points inside the "
+                f"TimedReport.{what}: the modeled run has ended; call it inside the "
                 "`with timed_runtime(...)` block."
             )
-        return self.marker(label, not_counted)
+        return self.live
+
+    def mark(self, label: str, not_counted: Iterable[Any] = ()) -> MemoryMark:
+        """Note device memory now, less the memory of the ``not_counted`` tensors (a
+        layer's output on its way to the next layer, parameter gradients, ...): what
+        :attr:`counted_peak_bytes` compares."""
+        return self._run("mark").mark(label, not_counted)
+
+    def begin(self, phase: str) -> None:
+        """Name the part of the step that starts now (``"forward 3"``): the work issued
+        from here on is shown under that name in traces and plots."""
+        self._run("begin").begin(phase)
 
     @property
     def counted_peak_bytes(self) -> int:
