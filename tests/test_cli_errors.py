@@ -29,6 +29,24 @@ CASES = [
     ("cpu_offload.bench", ["--offload", "4"], "--offload 4: expected values in 1..3"),
     ("cpu_offload.bench", ["--modes", "none,fast"], "--modes none,fast: unknown mode 'fast'"),
     ("cpu_offload.bench", ["--device", "cuda"], "torch.cuda reports no available device"),
+    ("cpu_offload.bench", ["--simulate", "tpu"], "--simulate tpu: unknown device profile 'tpu'"),
+    ("cpu_offload.bench", ["--trace", "t.json"], "--trace: needs --simulate PROFILE"),
+    ("cpu_offload.bench", ["--memory-budget", "20"], "--memory-budget: needs --simulate"),
+    (
+        "cpu_offload.bench",
+        ["--simulate", "h100", "--memory-budget", "20,x"],
+        "argument --memory-budget: '20,x': expected comma-separated numbers > 0",
+    ),
+    (
+        "cpu_offload.bench",
+        ["--simulate", "h100", "--device", "cpu"],
+        "--device cpu: --simulate runs on a modeled device",
+    ),
+    (
+        "cpu_offload.bench",
+        ["--simulate", "h100", "--preset", "hooks"],
+        "--simulate: models a Llama preset (tiny, llama8b-layer), not --preset hooks",
+    ),
     ("cpu_offload.check", ["--device", "tpu"], "device='tpu' is not a device this offloader"),
 ]
 

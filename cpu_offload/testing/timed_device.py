@@ -202,9 +202,12 @@ class TimedRuntime:
         pinned = host_block is not None and host_block.pinned
         if self.flavour == "npu" and not (dst.is_contiguous() and src.is_contiguous()):
             pinned = False  # torch_npu stages it through pageable memory
+        self.transfer(direction, memory_bytes(src), pinned)
+
+    def transfer(self, direction: str, nbytes: int, pinned: bool) -> None:
+        """A copy of ``nbytes`` on the current stream (``"d2h"``, ``"h2d"``, ``"d2d"``)."""
         if direction != "d2d" and not pinned:
             self._on_sync(f"a {direction} copy with pageable memory")
-        nbytes = memory_bytes(src)
         self.timeline.copy(self.current.clock, direction, nbytes, pinned, nbytes)
 
     # -- what the program tells the report (TimedReport.mark, TimedReport.begin)
@@ -244,9 +247,19 @@ class OpTiming(TorchDispatchMode):
         out = func(*args, **kwargs)
         memory = runtime.memory
         inputs = tensors_in(kwargs, tensors_in(args))
-        if not host and inputs:  # an operator on host memory only runs on the host
+        placed = "device" in kwargs  # where its output goes is said
+        moving = placed and func is aten._to_copy.default  # .to(device), .cpu()
+        if not host and inputs and not placed:  # an operator on host memory runs on the host
             host = all(b is not None and b.host for b in map(memory.block, inputs))
-        cost = None if host else kernel_cost(func, args, kwargs, out)
+        cost = None
+        if moving:
+            source = memory.block(args[0])
+            from_host = source is not None and source.host
+            if from_host != host:
+                pinned_side = source.pinned if from_host else pinned  # type: ignore[union-attr]
+                runtime.transfer("h2d" if from_host else "d2h", memory_bytes(args[0]), pinned_side)
+        elif not host:
+            cost = kernel_cost(func, args, kwargs, out)
         if cost is not None:
             start = timeline.kernel(clock, runtime.profile.kernel_seconds(*cost), func)
         else:
