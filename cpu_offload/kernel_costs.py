@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -87,6 +88,7 @@ def tensors_in(value: Any, found: list[torch.Tensor] | None = None) -> list[torc
     return found
 
 
+@functools.cache
 def writes(func: Any) -> bool:
     """Whether ``func`` writes one of its arguments (an in-place or ``out=`` operator)."""
     schema = getattr(func, "_schema", None)
@@ -95,15 +97,24 @@ def writes(func: Any) -> bool:
     )
 
 
-def kernel_cost(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[int, int] | None:
+def kernel_cost(
+    func: Any,
+    args: Any,
+    kwargs: Any,
+    out: Any,
+    inputs: list[torch.Tensor] | None = None,
+    outputs: list[torch.Tensor] | None = None,
+) -> tuple[int, int] | None:
     """``(flops, bytes)`` of the kernel that ``func(*args, **kwargs)`` launched (``out``
     is what it returned), or None when it launched none: a view, an alias, an
     allocation.  Bytes are what the kernel reads (its tensor arguments) and writes (its
-    outputs)."""
+    outputs); ``inputs`` and ``outputs``: those tensors, where the caller has them."""
     if getattr(func, "is_view", False) or func in ALIASES or func in ALLOCATIONS:
         return None
-    inputs = tensors_in(kwargs, tensors_in(args))
-    outputs = tensors_in(out)
+    if inputs is None:
+        inputs = tensors_in(kwargs, tensors_in(args))
+    if outputs is None:
+        outputs = tensors_in(out)
     if outputs and not writes(func):
         given = {storage_id(t) for t in inputs}
         if all(storage_id(t) in given for t in outputs):

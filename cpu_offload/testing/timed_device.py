@@ -247,26 +247,26 @@ class OpTiming(TorchDispatchMode):
         out = func(*args, **kwargs)
         memory = runtime.memory
         inputs = tensors_in(kwargs, tensors_in(args))
-        placed = "device" in kwargs  # where its output goes is said
-        moving = placed and func is aten._to_copy.default  # .to(device), .cpu()
+        outputs = tensors_in(out)
+        placed = kwargs.get("device") is not None  # where its output goes is said
         if not host and inputs and not placed:  # an operator on host memory runs on the host
             host = all(b is not None and b.host for b in map(memory.block, inputs))
         cost = None
-        if moving:
-            source = memory.block(args[0])
-            from_host = source is not None and source.host
-            if from_host != host:
-                pinned_side = source.pinned if from_host else pinned  # type: ignore[union-attr]
-                runtime.transfer("h2d" if from_host else "d2h", memory_bytes(args[0]), pinned_side)
+        source = memory.block(args[0]) if placed and func is aten._to_copy.default else None
+        if source is not None and source.host != host:  # .to("cpu"), .to(device): a copy
+            side = source.pinned if source.host else pinned
+            runtime.transfer("h2d" if source.host else "d2h", memory_bytes(args[0]), side)
+        elif source is None and placed and func is aten._to_copy.default and host:  # to the host
+            runtime.transfer("d2h", memory_bytes(args[0]), pinned)
         elif not host:
-            cost = kernel_cost(func, args, kwargs, out)
+            cost = kernel_cost(func, args, kwargs, out, inputs, outputs)
         if cost is not None:
             start = timeline.kernel(clock, runtime.profile.kernel_seconds(*cost), func)
         else:
             start = timeline.now(clock)
         blocks = memory.blocks
         given: set[int | None] | None = None
-        for tensor in tensors_in(out):
+        for tensor in outputs:
             key = storage_id(tensor)
             if key is None or key in blocks:
                 continue

@@ -39,6 +39,16 @@ def test_a_kernel_takes_its_roofline_after_the_host_issued_it():
     assert run.host_bound_s == pytest.approx(DEVICE.host_issue_s)  # the first kernel's wait
 
 
+def test_a_dtype_conversion_is_a_kernel_and_a_move_to_the_host_a_copy():
+    x = meta(MIB // 4)
+    with timed_runtime(DEVICE) as run:
+        x.to(torch.float16)  # reads 1 MiB, writes 0.5 MiB
+        x.to("meta", torch.float16)  # the same, on the same device
+        x.to("cpu", torch.float16)  # a copy to pageable host memory
+    assert run.compute_s == pytest.approx(2 * DEVICE.kernel_seconds(0, MIB + MIB // 2))
+    assert run.d2h_bytes == MIB and run.host_syncs == 1
+
+
 def test_a_launch_bound_step_shows_as_one():
     x = meta(16)
     with timed_runtime(DEVICE) as run:
