@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from typing import Any
 
 from ..device_profiles import DeviceProfile
 from .simulate import SimulatedRow, Simulation
 
-__all__ = ["agreement", "print_simulation", "write_simulation_json", "write_simulation_plot"]
+__all__ = [
+    "agreement",
+    "print_simulation",
+    "shown_row",
+    "write_simulation_json",
+    "write_simulation_plot",
+]
 
 GIB = 2**30
 
@@ -119,18 +126,45 @@ def _timeline(axes: Any, row: SimulatedRow) -> None:
             spans, (lanes[lane] - 0.4, 0.8), facecolors=colours.get(kind, "grey"), linewidth=0
         )
     axes.set_yticks(list(lanes.values()), ["compute stream", "D2H copies", "H2D copies"])
-    axes.set_xlabel("modeled time (ms); red: compute waits for a copy")
+    axes.set_xlabel("modeled time (ms); red: compute waits for a copy; dashed: end of forward")
     axes.set_title(f"(c) {row.label}: the streams and device memory", fontsize=10)
     memory = axes.twinx()
     times = [t * 1e3 for t, _ in report.curve]
-    memory.plot(times, [b / GIB for _, b in report.curve], color="black", linewidth=0.8)
-    memory.set_ylabel("device memory allocated (GiB)")
+    memory.plot(
+        times,
+        [b / GIB for _, b in report.curve],
+        color="black",
+        linewidth=0.8,
+        label="allocated (gradients, temporaries included)",
+    )
+    memory.plot(
+        [m.time * 1e3 for m in report.marks],
+        [m.counted / GIB for m in report.marks],
+        ".",
+        color="purple",
+        markersize=3,
+        label="activations at layer boundaries (the planner's count)",
+    )
+    ends = [m.time * 1e3 for m in report.marks if m.label.startswith("forward")]
+    if ends:
+        axes.axvline(max(ends), color="grey", linestyle="--", linewidth=0.8)
+    memory.set_ylabel("device memory (GiB)")
     memory.set_ylim(bottom=0)
+    memory.legend(fontsize=7, loc="upper right")
+
+
+def shown_row(simulation: Simulation) -> SimulatedRow:
+    """The row whose timeline the plot draws: the largest k within 10% of the step
+    without offload (copies partly exposed: the overlap and its limit both show)."""
+    baseline = simulation.baseline.modeled.step_s
+    k_rows = [r for r in simulation.rows if r.policy is None]
+    within = [r for r in k_rows if r.modeled.step_s <= 1.1 * baseline]
+    return max(within or k_rows, key=lambda r: r.k)
 
 
 def write_simulation_plot(path: str, simulation: Simulation, title: str) -> str | None:
     """(a) step time and (b) peak per row, modeled and predicted; (c) the timeline of one
-    row: the first budget's policy, else k = L / 3.  Returns why no plot was written."""
+    row (:func:`shown_row`).  Returns why no plot was written."""
     try:
         import matplotlib
 
@@ -156,11 +190,8 @@ def write_simulation_plot(path: str, simulation: Simulation, title: str) -> str 
         axes.set_title(name, fontsize=10)
         axes.set_xticks(positions, [r.label.split(":")[0] for r in rows], rotation=90, fontsize=6)
         axes.legend(fontsize=8)
-    k_rows = [r for r in rows if r.policy is None]
-    budget_rows = [r for r in rows if r.policy is not None]
-    shown = budget_rows[0] if budget_rows else k_rows[min(len(k_rows) - 1, simulation.layers // 3)]
-    _timeline(figure.add_subplot(2, 1, 2), shown)
-    figure.suptitle(title, fontsize=9)
+    _timeline(figure.add_subplot(2, 1, 2), shown_row(simulation))
+    figure.suptitle("\n".join(textwrap.wrap(title, 160)), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
