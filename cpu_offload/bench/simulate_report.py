@@ -54,8 +54,8 @@ def print_simulation(simulation: Simulation, profile: DeviceProfile) -> None:
     )
     header = (
         f"{'row':<32} {'step ms model':>13} {'plan':>9} {'diff':>7} {'overhead':>8} "
-        f"{'plan':>7} {'exposed ms':>10} {'plan':>8} {'peak GiB':>9} {'plan':>8} {'diff':>7} "
-        f"{'end-fwd GiB':>11} {'plan':>8}"
+        f"{'plan':>7} {'exposed ms':>10} {'plan':>8} {'diff':>7} {'peak GiB':>9} {'plan':>8} "
+        f"{'diff':>7} {'end-fwd GiB':>11} {'plan':>8} {'diff':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -63,14 +63,16 @@ def print_simulation(simulation: Simulation, profile: DeviceProfile) -> None:
     L = simulation.layers
     for row in simulation.rows:
         m, p = row.modeled, row.predicted
+        end = row.modeled_end_of_forward_bytes(L)
         print(
             f"{row.label:<32} {m.step_s * 1e3:>13.2f} {p.step_s * 1e3:>9.2f} "
             f"{_difference(m.step_s, p.step_s):>+7.2%} {m.step_s / baseline - 1:>+8.1%} "
             f"{p.overhead:>+7.1%} {m.exposed_copy_s * 1e3:>10.2f} {p.exposed_copy_s * 1e3:>8.2f} "
+            f"{(m.exposed_copy_s - p.exposed_copy_s) * 1e3:>+7.2f} "
             f"{row.modeled_peak_bytes / GIB:>9.3f} {p.peak_bytes / GIB:>8.3f} "
             f"{_difference(row.modeled_peak_bytes, p.peak_bytes):>+7.2%} "
-            f"{row.modeled_end_of_forward_bytes(L) / GIB:>11.3f} "
-            f"{p.end_of_forward_bytes / GIB:>8.3f}"
+            f"{end / GIB:>11.3f} {p.end_of_forward_bytes / GIB:>8.3f} "
+            f"{_difference(end, p.end_of_forward_bytes):>+7.2%}"
         )
     worst = agreement(simulation)
     print(
@@ -80,9 +82,9 @@ def print_simulation(simulation: Simulation, profile: DeviceProfile) -> None:
         f"within {abs(worst['worst_end_of_forward_difference']):.2%}"
     )
     print(
-        "peak: device memory at layer boundaries less the hidden state handed on and "
-        "gradients (the planner's count); the model's allocator peak, everything "
-        "included, is in the JSON (modeled_device_peak_bytes)"
+        "exposed diff in ms; peak: device memory at layer boundaries less the hidden state "
+        "handed on and gradients (the planner's count); the model's allocator peak, "
+        "everything included, is in the JSON (modeled_device_peak_bytes)"
     )
 
 
