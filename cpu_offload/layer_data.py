@@ -56,8 +56,10 @@ def version_keeper(tensor: torch.Tensor, own: bool = False) -> torch.Tensor:
     """A tensor that shares ``tensor``'s version counter and holds none of its memory
     (NOTE [Version counter checks] in layer_state.py): assigning ``.data`` swaps the
     memory without touching the counter, on ``tensor`` itself when it is ``own`` (an
-    alias nothing else uses), else on a ``detach()`` of it, which shares the counter."""
-    keeper = tensor if own else tensor.detach()
+    alias nothing else uses), else on a ``detach()`` of it, which shares the counter.
+    A view is never its own keeper: it holds its base (``_base``), and with it the
+    base's memory, whatever its ``.data``."""
+    keeper = tensor if own and tensor._base is None else tensor.detach()
     device = tensor.device
     empty = _NO_MEMORY.get(device)
     if empty is None:

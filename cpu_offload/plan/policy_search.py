@@ -117,6 +117,7 @@ def simulate_many(
 
     saved_bytes, input_bytes = column("saved_bytes"), column("input_bytes")
     forward_s, backward_s = column("forward_s", np.float64)[0], column("backward_s", np.float64)[0]
+    recompute_s = column("recompute", np.float64)[0]
     saved = np.where(checkpointed, input_bytes, saved_bytes)
     moved = np.where(codes == _O, column("offloaded_bytes"), 0)
     moved += np.where(codes == _CO, column("input_offloaded_bytes"), 0)
@@ -150,7 +151,7 @@ def simulate_many(
         reload_done[rows, layer] = np.where(reloaded, done, reload_done[rows, layer])
         total += np.where(reloaded, moved[rows, layer], 0)
         compute = np.where(offloaded[:, j], np.maximum(compute, reload_done[:, j]), compute)
-        compute += np.where(checkpointed[:, j], forward_s[j], 0.0)
+        compute += np.where(checkpointed[:, j], recompute_s[j], 0.0)
         total += np.where(checkpointed[:, j], saved_bytes[0, j] - input_bytes[0, j], 0)
         compute += backward_s[j]
         np.maximum(peak, total, out=peak)

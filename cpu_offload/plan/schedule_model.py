@@ -76,6 +76,8 @@ class LayerCosts:
         forward_s, backward_s: the layer's compute time.
         following: the costs of the layers after the first, where they differ (their
             input is the previous layer's output; NOTE [The layers after the first]).
+        recompute_s: a checkpointed layer's recomputation in backward; its whole
+            forward where None (:attr:`recompute`).
     """
 
     saved_bytes: int
@@ -86,6 +88,12 @@ class LayerCosts:
     input_bytes: int = 0
     input_offloaded_bytes: int = 0
     following: LayerCosts | None = None
+    recompute_s: float | None = None
+
+    @property
+    def recompute(self) -> float:
+        """Seconds a checkpointed layer spends recomputing in backward."""
+        return self.forward_s if self.recompute_s is None else self.recompute_s
 
     @classmethod
     def of(cls, layer: LayerProfile, device: DeviceProfile) -> LayerCosts:
@@ -93,11 +101,16 @@ class LayerCosts:
             saved_bytes=layer.saved_bytes,
             offloaded_bytes=layer.offloaded_bytes,
             kept_bytes=layer.kept_bytes,
-            forward_s=layer.forward_flops / device.flops_per_s,
-            backward_s=layer.backward_flops / device.flops_per_s,
+            forward_s=device.compute_seconds(layer.forward_flops, layer.forward_kernels),
+            backward_s=device.compute_seconds(layer.backward_flops, layer.backward_kernels),
             input_bytes=layer.input_bytes,
             input_offloaded_bytes=layer.input_offloaded_bytes,
             following=None if layer.following is None else cls.of(layer.following, device),
+            recompute_s=device.compute_seconds(
+                sum(f for f, _ in layer.recompute_kernels), layer.recompute_kernels
+            )
+            if layer.recompute_kernels
+            else None,
         )
 
     def per_layer(self, num_layers: int) -> list[LayerCosts]:
@@ -229,8 +242,8 @@ def simulate_policy(
         if j in release_at:
             wait_for(reload_done[j])
         if policy[j] in CHECKPOINTED:
-            compute += each[j].forward_s
-            recompute += each[j].forward_s
+            compute += each[j].recompute
+            recompute += each[j].recompute
             hold(j, each[j].saved_bytes)
             actions.append(f"recompute {j}")
         compute += each[j].backward_s

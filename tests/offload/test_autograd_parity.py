@@ -432,6 +432,27 @@ def views_through_their_base(off: Offload) -> list[torch.Tensor]:
     return [x.grad, w3.grad, w2.grad]
 
 
+def view_through_its_base_modified_after_release(off: Offload) -> list[torch.Tensor]:
+    """Layer 0 saves a 2-D view of a 3-D activation (a matmul's input), which moves
+    through its base; after the layer's release, the base is modified in place.  The
+    release drops the base's memory (the version keeper of a view holds no base), and
+    the check still sees the change."""
+    x, w = leaf(2, 4, 6), leaf(6, 6)
+    kept: list[torch.Tensor] = []
+
+    def first(h: torch.Tensor) -> torch.Tensor:
+        base = h * 1.0
+        kept.append(base)
+        return base @ w  # saves base.view(8, 6)
+
+    def last(h: torch.Tensor) -> torch.Tensor:
+        kept[0].add_(1)  # layer 0 was released when this layer entered
+        return h.tanh()
+
+    chain([first, torch.sin, last], x, *off.context()).sum().backward()
+    return [x.grad, w.grad]
+
+
 def tensors_saved_twice(modify: bool) -> Callable[[Offload], list[torch.Tensor]]:
     """A leaf and an activation each saved by two ops of one layer (copied once, handed
     back twice), beside layers that save each tensor once; with ``modify``, the
@@ -1005,6 +1026,9 @@ PROGRAMS = {
     "varying lengths, dropped forwards": Row(varying_lengths_and_dropped_forwards),
     "permuted saved tensors": Row(permuted_saved_tensors),
     "views through their base (qkv, SwiGLU)": Row(views_through_their_base),
+    "a view through its base, modified after the release": Row(
+        view_through_its_base_modified_after_release, match=MODIFIED
+    ),
     "integer indices from nonzero and argsort": Row(integer_indices_from_nonzero),
     "tensors saved twice (a leaf, an activation)": Row(tensors_saved_twice(False)),
     "a tensor saved twice, modified in place": Row(tensors_saved_twice(True), match=MODIFIED),

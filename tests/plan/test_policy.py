@@ -395,7 +395,7 @@ def test_the_worked_example_of_the_docs_runs(capsys, monkeypatch, tmp_path):
     runpy.run_path(example, run_name="__main__")
     assert not has_matplotlib() or plot.stat().st_size > 1000
     out = capsys.readouterr().out
-    assert "| 20 GiB | 7 O, 15 C, 10 K | +15.0% | k=22: +85% | +32% |" in out  # as documented
+    assert "| 20 GiB | 9 O, 13 C, 10 K | +11.1% | k=22: +49% | +27% |" in out  # as documented
     assert out.count("(nothing fits; closest)") == 4  # 1.5 and 1 GiB, on both devices
 
 
