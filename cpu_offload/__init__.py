@@ -19,6 +19,7 @@ from .layer_context import OffloadContext
 from .layer_hooks import OffloadLayersHandle, offload_layers
 from .layer_state import OffloadableLayerState
 from .marking import mark_activation_offload, mark_not_offload, start_offload
+from .selective_checkpoint import create_selective_checkpoint_contexts
 from .stats import OffloadStats
 from .synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
 from .transitions import LayerState
@@ -26,8 +27,9 @@ from .transitions import LayerState
 __version__ = "0.1.0"
 
 #: The stable names: TransformerEngine's functions and classes (as TE's own callers use
-#: them), offload_layers, the layer states, the statistics, the errors and the testing
-#: tools.  Everything else is importable from its module and may change.
+#: them), offload_layers, torch's selective checkpointing with offload, the layer states,
+#: the statistics, the errors and the testing tools.  Everything else is importable from
+#: its module and may change.
 __all__ = [
     "CpuOffloadError",
     "DefaultOffloadSynchronizer",
@@ -38,6 +40,7 @@ __all__ = [
     "OffloadStateError",
     "OffloadStats",
     "OffloadableLayerState",
+    "create_selective_checkpoint_contexts",
     "get_cpu_offload_context",
     "is_cpu_offload_enabled",
     "mark_activation_offload",

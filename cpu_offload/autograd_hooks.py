@@ -35,6 +35,7 @@ __all__ = [
     "push_saved_tensor_hooks",
     "saved_tensor_hooks_enabled",
     "top_pack_hook",
+    "top_saved_tensor_hooks",
 ]
 
 _autograd: Any = torch._C._autograd
@@ -54,9 +55,14 @@ ActiveToken = contextvars.Token
 _warned: set[str] = set()
 
 
+def top_saved_tensor_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+    """The ``(pack, unpack)`` pair of the innermost saved-tensor hooks of this thread, if any."""
+    return _autograd._top_saved_tensors_default_hooks(False)  # type: ignore[no-any-return]
+
+
 def top_pack_hook() -> Callable[[Any], Any] | None:
     """The pack hook of the innermost saved-tensor hooks of this thread, if any."""
-    top = _autograd._top_saved_tensors_default_hooks(False)
+    top = top_saved_tensor_hooks()
     return None if top is None else top[0]
 
 

@@ -160,6 +160,10 @@ class DeviceBackend:
         """Bytes that may still be allocated on the device, or ``None`` where unknown."""
         return None
 
+    def memory_reserved(self) -> int | None:
+        """Bytes the runtime's caching allocator holds (in use or cached), or ``None``."""
+        return None
+
 
 class _HostStream:
     """Stream of the host backend: work runs at once, so waits are no-ops."""

@@ -22,6 +22,7 @@ __all__ = [
     "output_file",
     "plot_file",
     "positive_float",
+    "positive_float_list",
 ]
 
 
@@ -83,6 +84,17 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         _flag_error("a number > 0")(text)
     return value
+
+
+def positive_float_list(text: str) -> list[float]:
+    """An argparse type: comma-separated finite floats > 0 (``10,20.5``)."""
+    values = []
+    for part in text.split(","):
+        try:
+            values.append(positive_float(part.strip()))
+        except argparse.ArgumentTypeError:
+            _flag_error("comma-separated numbers > 0, such as 10,20")(text)
+    return values
 
 
 def int_list(minimum: int) -> Callable[[str], list[int]]:

@@ -171,6 +171,10 @@ class StreamBackend(DeviceBackend):
         mem_get_info = getattr(self._runtime, "mem_get_info", None)
         return None if mem_get_info is None else int(mem_get_info(self.device)[0])
 
+    def memory_reserved(self) -> int | None:
+        memory_reserved = getattr(self._runtime, "memory_reserved", None)
+        return None if memory_reserved is None else int(memory_reserved(self.device))
+
 
 def _as_contiguous_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dst`` and ``src`` as contiguous 1-D views of the same memory, where they can be.

@@ -64,6 +64,8 @@ class OffloadEngine:
     #: what a layer reloaded on demand in its first backward tells the user to do (None:
     #: such a reload is expected, and silent)
     reload_advice: str | None = "Call the sync function on every layer's output to prefetch it."
+    #: the class of the layer states it makes
+    layer_state_class: type[OffloadableLayerState] = OffloadableLayerState
 
     def __init__(
         self,
@@ -114,7 +116,7 @@ class OffloadEngine:
     def new_layer_state(self, index: int, name: str) -> OffloadableLayerState:
         """A layer state that copies on this engine's stream into its pool, by its
         thresholds, counted in its statistics."""
-        state = OffloadableLayerState(
+        state = self.layer_state_class(
             self.offload_stream,
             layer_index=index,
             backend=self.backend,

@@ -57,8 +57,10 @@ def version_keeper(tensor: torch.Tensor, own: bool = False) -> torch.Tensor:
     """A tensor that shares ``tensor``'s version counter and holds none of its memory
     (NOTE [Version counter checks] in layer_state.py): assigning ``.data`` swaps the
     memory without touching the counter, on ``tensor`` itself when it is ``own`` (an
-    alias nothing else uses), else on a ``detach()`` of it, which shares the counter."""
-    keeper = tensor if own else tensor.detach()
+    alias nothing else uses), else on a ``detach()`` of it, which shares the counter.
+    A view is never its own keeper: it holds its base (``_base``), and with it the
+    base's memory, whatever its ``.data``."""
+    keeper = tensor if own and tensor._base is None else tensor.detach()
     device = tensor.device
     empty = _NO_MEMORY.get(device)
     if empty is None:
@@ -219,6 +221,16 @@ class LayerData:
 
     # -------------------------------------------------------------- copies
 
+    def to_copy(self) -> tuple[list[torch.Tensor], GroupLayout | None]:
+        """The device tensors a copy out reads: one per distinct tensor, a view that moves
+        through its base as that base (group processing, where it has work; otherwise
+        the tensors as pushed); and the layout that undoes the grouping (None: none)."""
+        if not self.grouped:
+            return self.pushed, None
+        group = TensorGroup(self.pushed, self.ready, via_base=self.via_base or set())
+        processed = TensorGroupProcessor.process_before_offload(group)
+        return processed.tensor_list, processed.aux
+
     def copy_out(self, layer: CopyingLayer) -> None:
         """Queue the device-to-host copies of what was pushed on ``layer``'s offload
         stream (NOTE [Offload stream ordering])."""
@@ -233,12 +245,7 @@ class LayerData:
             if tensor._version != versions[index]:
                 self.modified[index] = tensor._version
                 ready[index] = backend.record_event()
-        if self.grouped:
-            group = TensorGroup(pushed, ready, via_base=self.via_base or set())
-            processed = TensorGroupProcessor.process_before_offload(group)
-            unique, self.layout = processed.tensor_list, processed.aux
-        else:
-            unique = pushed  # one copy per pushed tensor, as it is
+        unique, self.layout = self.to_copy()
         self.unique = unique
         sizes = [t.nbytes for t in unique]
         pool = layer.host_buffers

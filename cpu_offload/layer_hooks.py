@@ -8,7 +8,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,10 @@ from .policy import (
 )
 from .schedule import max_offloaded
 from .step_report import StepReport
+
+if TYPE_CHECKING:
+    from .auto_policy import AutoPolicy
+    from .plan.policy_plan import PolicyPlan
 
 __all__ = ["OffloadLayersHandle", "offload_layers"]
 
@@ -133,6 +137,8 @@ class OffloadLayersHandle:
             (nothing is offloaded, nothing checkpointed); a forward pass must not span
             a change.
         forwards_seen: the layer forwards the hooks have seen while enabled.
+        auto: with ``memory_budget=``, the :class:`~cpu_offload.auto_policy.AutoPolicy`
+            that measures, chooses and watches the policy (else None).
         found: the layers and where they were found (``"4 LlamaDecoderLayer at
             model.layers"``).
         policy: per layer, ``offload``, ``keep``, ``checkpoint`` or
@@ -154,6 +160,13 @@ class OffloadLayersHandle:
         self._watchers: list[Any] = []  # gradient hooks waiting for the first forward
         self._warned_checkpoint = False
         self._call = _LayerCall()
+        self.auto: AutoPolicy | None = None
+
+    @property
+    def plan(self) -> PolicyPlan | None:
+        """With ``memory_budget=``, the policy in force (it prints as a table); None until
+        the measuring step is over, and without a budget."""
+        return self.auto.plan if self.auto is not None else None
 
     def report(self) -> StepReport:
         """What the last step did, per layer: the tensors saved, moved and kept (and
@@ -184,6 +197,8 @@ class OffloadLayersHandle:
             hook.remove()
         self._hooks.clear()
         self._stop_watching()
+        if self.auto is not None:
+            self.auto.remove()
         self._leave_interrupted()
 
     def _leave_interrupted(self) -> None:
@@ -271,10 +286,11 @@ def offload_layers(
     num_offloaded_layers: int | float | None = None,
     *,
     policy: Sequence[str] | None = None,
+    memory_budget: int | str | None = None,
     **options: Any,
 ) -> OffloadLayersHandle:
-    """Offload the activations of the first ``num_offloaded_layers`` decoder layers, or
-    apply a per-layer ``policy``.
+    """Offload the activations of the first ``num_offloaded_layers`` decoder layers, apply
+    a per-layer ``policy``, or choose one for a ``memory_budget``.
 
     Each module's forward runs inside the offload context (forward pre- and post-hooks)
     and its output goes through ``sync_fn``, whether it returns a tensor, a tuple or a
@@ -297,6 +313,12 @@ def offload_layers(
             saved) or ``"checkpoint+offload"`` (those inputs go to the host too); the
             last layer is not offloaded.  ``python -m cpu_offload.plan --memory-budget``
             chooses one.  ``handle.remove()`` also undoes the checkpointing.
+        memory_budget: instead, the device memory the saved activations of a step may
+            take: bytes, a string such as ``"20GiB"``, or ``"auto"`` (the free memory
+            less 10%).  The first step runs as the model does and is measured; from the
+            next, the fastest policy predicted to fit is applied (``handle.plan``; one
+            line printed).  See docs/planning.md; ``copy_bandwidth=`` (bytes per second,
+            or a ``python -m cpu_offload.check --json`` file) skips measuring the link.
         **options: keyword arguments of :func:`get_cpu_offload_context`
             (``retain_pinned_cpu_buffers``, ``device``, ``min_offload_numel``,
             ``manual_synchronization``, ``offload_stream``).
@@ -320,10 +342,11 @@ def offload_layers(
     layers, where = locate_layers(model)
     manual = bool(options.get("manual_synchronization", False))
     owner = type(model).__name__
-    if (policy is None) == (num_offloaded_layers is None):
+    given = [x for x in (num_offloaded_layers, policy, memory_budget) if x is not None]
+    if len(given) != 1:
         raise TypeError(
-            "offload_layers: pass either num_offloaded_layers (k) or policy=[...], "
-            f"{'not both' if policy is not None else 'got neither'}."
+            "offload_layers: pass either num_offloaded_layers (k) or policy=[...] or "
+            f"memory_budget=..., {'not both' if given else 'got neither'}."
         )
     if not layers:
         raise ValueError(
@@ -332,14 +355,26 @@ def offload_layers(
         )
     if "offloaded_layers" in options:
         chooser = "policy=[...]" if policy is not None else f"k={num_offloaded_layers!r}"
+        chooser = "memory_budget=..." if memory_budget is not None else chooser
         raise TypeError(
             f"offload_layers: offloaded_layers= and {chooser} both choose the layers to "
             "offload; pass one: policy=[...] with 'offload' (or 'checkpoint+offload') at "
             "the layers to offload, and 'keep' elsewhere."
         )
+    if "copy_bandwidth" in options and memory_budget is None:
+        raise TypeError(
+            "offload_layers: copy_bandwidth= is the link the memory_budget= plan assumes; "
+            "pass it with memory_budget=..., or leave it out."
+        )
     checkpointed: list[nn.Module] = []
     chosen: list[str] = []
-    if policy is not None:
+    count, auto = 0, None
+    if memory_budget is not None:
+        from .auto_policy import modules_budget_context  # the planner, when it is asked for
+
+        context, auto = modules_budget_context(model, layers, memory_budget, **options)
+        result: tuple[Any, ...] = (context, context.sync_fn)
+    elif policy is not None:
         if manual:
             raise ValueError(
                 "offload_layers: policy= schedules the offloaded layers itself; it does not "
@@ -349,7 +384,7 @@ def offload_layers(
         options["offloaded_layers"] = [i for i, c in enumerate(chosen) if c in OFFLOADED]
         checkpointed = checkpointed_modules(layers, chosen, owner)
         count = len(options["offloaded_layers"])
-    else:
+    if policy is None and memory_budget is None:
         count = _resolve_count(num_offloaded_layers, len(layers))  # type: ignore[arg-type]
         if not manual and not 0 <= count <= max_offloaded(len(layers)):
             raise ValueError(
@@ -357,11 +392,13 @@ def offload_layers(
                 f"found (in {owner}); k must be an int in 0..{max_offloaded(len(layers))} "
                 "(the last layer is never offloaded) or a fraction in [0, 1)."
             )
-    result = get_cpu_offload_context(True, count, len(layers), **options)
+    if auto is None:
+        result = get_cpu_offload_context(True, count, len(layers), **options)
     owners = [model] if isinstance(model, nn.Module) else []
     mark_not_offload(*{id(b): b for m in owners + layers for b in m.buffers()}.values())
     context, sync_fn = result[0], result[1]
     handle = OffloadLayersHandle(context, sync_fn, result[2] if manual else None)
+    handle.auto = auto
     synchronizer = context.offload_synchronizer
     kinds = {type(layer).__name__ for layer in layers}
     handle.found = f"{len(layers)} {kinds.pop() if len(kinds) == 1 else 'modules'} at {where}"
@@ -434,7 +471,9 @@ def offload_layers(
         handle._hooks.append(request)
     if checkpointed:
         warn_checkpoint_hazards(layers, chosen)
-    if count > 0:
+    if count > 0 or auto is not None:
         handle._watch_for_missed_forwards(unique)
+    if auto is not None:
+        auto.attach(lambda: handle.enabled)  # after the hooks above: its pre-hook runs last
     logger.info("offload_layers: %r", handle)
     return handle

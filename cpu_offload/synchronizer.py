@@ -363,7 +363,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         return layer in self._offloaded
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
-        if layer >= 1 and self.layer_is_offloaded(layer - 1):
+        if layer >= 1 and layer - 1 in self._offloaded:
             forward_pass.state(layer - 1).start_offload()
         for released in self.release_schedule[layer]:
             forward_pass.state(released).release_activation_forward_gpu_memory()

@@ -17,6 +17,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .backend import DeviceBackend
 from .copy_timer import CopyTimer
 from .errors import OffloadStateError
@@ -250,6 +252,12 @@ class LayerTransitions:
         ``cdata`` (a ``StorageWeakRef``'s)."""
         data = self._data
         return data is not None and any(t.untyped_storage()._cdata == cdata for t in data.pushed)
+
+    def pending_copies(self) -> list[torch.Tensor]:
+        """The device tensors a :meth:`start_offload` now would copy (one per distinct
+        tensor, after group processing): what the layer would move."""
+        data = self._data
+        return [] if data is None or self.state is not _NOT_OFFLOADED else data.to_copy()[0]
 
     @property
     def num_offloaded_tensors(self) -> int:

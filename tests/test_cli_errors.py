@@ -29,6 +29,7 @@ CASES = [
     ("cpu_offload.bench", ["--offload", "4"], "--offload 4: expected values in 1..3"),
     ("cpu_offload.bench", ["--modes", "none,fast"], "--modes none,fast: unknown mode 'fast'"),
     ("cpu_offload.bench", ["--device", "cuda"], "torch.cuda reports no available device"),
+    ("cpu_offload.bench", ["--simulate", "tpu"], "--simulate tpu: unknown device profile 'tpu'"),
     ("cpu_offload.check", ["--device", "tpu"], "device='tpu' is not a device this offloader"),
 ]
 
@@ -281,3 +282,24 @@ def test_a_config_file_of_another_name_is_the_one_planned(tmp_path, capsys):
     (tmp_path / "config.json").unlink()  # alone in its folder, it is read all the same
     assert plan_main(["--hf-config", str(small), "--seq", "16"]) == 0
     assert f"LlamaDecoderLayer from {small}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trace", "t.json"], "--trace: needs --simulate PROFILE"),
+        (["--memory-budget", "20"], "--memory-budget: needs --simulate PROFILE"),
+        (
+            ["--simulate", "h100", "--memory-budget", "20,x"],
+            "argument --memory-budget: '20,x': expected comma-separated numbers > 0",
+        ),
+        (["--simulate", "h100", "--device", "cpu"], "--device cpu: --simulate runs on a modeled"),
+        (
+            ["--simulate", "h100", "--preset", "hooks"],
+            "--simulate: models a Llama preset (tiny, llama8b-layer), not --preset hooks",
+        ),
+    ],
+    ids=["trace", "memory-budget", "bad-budget", "device", "hooks"],
+)
+def test_the_modeled_run_flags_are_refused_before_the_run(argv, message, capsys):
+    assert message in refused("bench", argv, capsys)

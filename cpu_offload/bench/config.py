@@ -6,7 +6,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cli import Parser, at_least, device, int_list, output_file, plot_file
+from ..cli import Parser, at_least, device, int_list, output_file, plot_file, positive_float_list
+from ..device_profiles import PROFILES, get_profile
 from ..models import DTYPES
 from ..presets import MODEL_PRESETS
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
@@ -53,6 +54,9 @@ class BenchConfig:
     ceiling_mib: int
     json: str | None
     plot: str | None
+    simulate: str | None = None
+    trace: str | None = None
+    memory_budget: list[float] | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
@@ -107,7 +111,31 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         default=None,
         help="write the plots to this file (.png, .pdf, ...)",
     )
+    parser.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        default=None,
+        help=f"run the offload code on a modeled accelerator instead ({', '.join(PROFILES)}, "
+        "or a JSON file of `python -m cpu_offload.check`): every k, shapes only, beside "
+        "the planner's prediction",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        metavar="GIB",
+        type=positive_float_list,
+        default=None,
+        help="--simulate: also the policies the planner chooses for these budgets of "
+        "activation memory (comma-separated GiB)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        type=output_file,
+        default=None,
+        help="--simulate: write the modeled timelines as Chrome-trace JSON (Perfetto)",
+    )
     args = parser.parse_args(argv)
+    _check_simulate(parser, args)
     if args.count == "instructions" and args.preset != "hooks":
         parser.error(
             f"--count instructions: counts the hooks preset only, not --preset {args.preset}"
@@ -140,6 +168,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
             )
     else:  # the preset's, those the layers allow
         ks = [int(k) for k in str(offload).split(",") if k and int(k) < layers]
+    if args.simulate is not None:  # every k by default; k = 0, the reference, always
+        ks = sorted({0, *ks}) if isinstance(offload, list) else list(range(layers))
     modes: list[str] = []
     for mode in args.modes.split(","):
         known = mode in MODES or (mode.startswith("offload:") and mode[8:].isdigit())
@@ -165,8 +195,31 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         ceiling_mib=args.ceiling_mib or 0,
         json=args.json,
         plot=args.plot,
+        simulate=args.simulate,
+        trace=args.trace,
+        memory_budget=args.memory_budget,
         **values,  # type: ignore[arg-type]
     )
+
+
+def _check_simulate(parser: Parser, args: argparse.Namespace) -> None:
+    """``--simulate`` names a profile; ``--trace`` and ``--memory-budget`` need it."""
+    for flag, given in (("--trace", args.trace), ("--memory-budget", args.memory_budget)):
+        if given is not None and args.simulate is None:
+            parser.error(f"{flag}: needs --simulate PROFILE (it belongs to the modeled run)")
+    if args.simulate is None:
+        return
+    if args.preset == "hooks":
+        parser.error("--simulate: models a Llama preset (tiny, llama8b-layer), not --preset hooks")
+    if args.device is not None:
+        parser.error(
+            f"--device {args.device}: --simulate runs on a modeled device, not on this "
+            "machine's; drop --device"
+        )
+    try:
+        get_profile(args.simulate)
+    except (ValueError, TypeError, OSError) as error:
+        parser.error(f"--simulate {args.simulate}: {error}")
 
 
 def _check_shapes(parser: Parser, args: argparse.Namespace, values: dict[str, object]) -> None:

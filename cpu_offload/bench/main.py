@@ -115,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"torch intra-op threads: {threads} (--threads)", flush=True)
     if config.preset == "hooks":
         return _main_hooks(config)
+    if config.simulate is not None:
+        return _main_simulate(config)
     too_large = _too_large(config)
     if too_large:
         return _usage_error(too_large)
@@ -247,4 +249,51 @@ def _main_hooks(config: BenchConfig) -> int:
                 indent=2,
             )
         print(f"figures written to {config.json}")
+    return 0
+
+
+def _main_simulate(config: BenchConfig) -> int:
+    """``--simulate PROFILE``: see :mod:`cpu_offload.bench.simulate`."""
+    from ..device_profiles import get_profile
+    from ..testing.trace import write_trace
+    from .simulate import SimulatedRow, run_simulation
+    from .simulate_report import print_simulation, write_simulation_json, write_simulation_plot
+
+    profile = get_profile(str(config.simulate))
+    command = "python -m cpu_offload.bench " + " ".join(sys.argv[1:])
+    print(
+        f"modeling {profile.name} ({profile.runtime}), preset {config.preset}: {config.layers} "
+        f"layers, hidden {config.hidden}, seq {config.seq}, batch {config.batch}, "
+        f"{config.dtype}; shapes only",
+        flush=True,
+    )
+    began = time.perf_counter()
+
+    def progress(row: SimulatedRow) -> None:
+        print(f"modeled {row.label} ({time.perf_counter() - began:.1f} s)", flush=True)
+
+    simulation = run_simulation(
+        config, str(config.simulate), config.offload, config.memory_budget or (), progress
+    )
+    print()
+    print_simulation(simulation, profile)
+    environment = {
+        "device": "modeled",
+        "device_name": f"modeled {profile.name}",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "command": command,
+    }
+    if config.json:
+        write_simulation_json(config.json, simulation, profile, environment, config)
+        print(f"figures written to {config.json}")
+    if config.trace:
+        write_trace(config.trace, [(row.label, row.modeled) for row in simulation.rows])
+        print(f"trace written to {config.trace} (open it in https://ui.perfetto.dev)")
+    if config.plot:
+        reason = write_simulation_plot(
+            config.plot, simulation, f"modeled {profile.name}: {command}"
+        )
+        print(f"plot not written: {reason}" if reason else f"plot written to {config.plot}")
     return 0

@@ -42,6 +42,8 @@ def get_cpu_offload_context(
     weight_offloading: bool = False,
     double_buffering: bool = False,
     retain_pinned_cpu_buffers: bool = False,
+    *,
+    memory_budget: int | str | None = None,
     **options: Any,
 ) -> tuple[Any, Callable[[Any], Any]]:
     """Megatron-Core's wrapper signature: ``(context, commit)``.
@@ -49,17 +51,33 @@ def get_cpu_offload_context(
     The positional parameters are Megatron's, in Megatron's order (releases before
     0.19 pass the first five or six); ``options`` go to
     :func:`cpu_offload.get_cpu_offload_context` (``device``, ``min_offload_numel``).
+    With ``memory_budget`` (bytes, ``"20GiB"``, or ``"auto"``), ``num_layers`` is not
+    used: the first step is measured and the layers to offload are chosen for the budget
+    from the next (``context.offload_synchronizer.plan``; docs/planning.md).  Megatron
+    runs its layers itself, so they are offloaded or kept, never recomputed here.
     """
-    context, commit = _get_cpu_offload_context(
-        enabled,
-        num_layers,
-        model_layers,
-        activation_offloading,
-        weight_offloading,
-        double_buffering,
-        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
-        **options,
-    )
+    if memory_budget is not None and enabled and activation_offloading:
+        from ..auto_policy import budget_context  # the planner, when it is asked for
+
+        context, _ = budget_context(
+            model_layers,
+            memory_budget,
+            api="cpu_offload.integrations.megatron",
+            retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+            **options,
+        )
+        commit: Callable[[Any], Any] = context.sync_fn
+    else:
+        context, commit = _get_cpu_offload_context(
+            enabled,
+            num_layers,
+            model_layers,
+            activation_offloading,
+            weight_offloading,
+            double_buffering,
+            retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+            **options,
+        )
     if enabled and activation_offloading and not _megatron_has_te():
         # Megatron's linear layers read `inside_context` only to tag their input for
         # TransformerEngine, and assert TE is present when it is True.  Our offloader
@@ -116,7 +134,9 @@ def patch(**options: Any) -> MegatronPatch:
     Call it before the model is built (the block creates its context in
     ``__init__``); then ``cpu_offloading=True`` and ``cpu_offloading_num_layers=k`` in
     the ``TransformerConfig`` work with or without TransformerEngine.  ``options``
-    (``device``, ``min_offload_numel``) are passed to every context created.
+    (``device``, ``min_offload_numel``, ``memory_budget``: the layers to offload chosen
+    for a budget from a measured first step, in place of ``k``) are passed to every
+    context created.
 
     Megatron's ``TransformerConfig`` still refuses ``cpu_offloading`` with pipeline
     parallelism > 1 or activation recomputation; both work with

@@ -179,6 +179,7 @@ def get_act_offloading_ctx_manager(
     min_offload_size: int | None = None,
     max_fwd_stash_size: int = 5,
     warn_if_no_head: bool = True,
+    memory_budget: int | str | None = None,
     **options: Any,
 ) -> OffloadLayersContext | contextlib.nullcontext[None]:
     """torchtune's ``training.get_act_offloading_ctx_manager``, offloading ``k`` layers.
@@ -196,6 +197,10 @@ def get_act_offloading_ctx_manager(
             a decoder layer, so it is never offloaded).
         min_offload_size: TRL's byte threshold, mapped to ``min_offload_bytes`` (with
             ``min_offload_numel=0`` unless given).
+        memory_budget: instead of ``k``: bytes, a string such as ``"20GiB"``, or
+            ``"auto"``; the first forward inside the context (and its backward) is
+            measured and the policy chosen from the next (``ctx.handle.plan``;
+            docs/planning.md).
         **options: keyword arguments of :func:`~cpu_offload.get_cpu_offload_context`.
     """
     del use_pin_memory, use_streams, max_fwd_stash_size, warn_if_no_head  # see Args
@@ -204,6 +209,13 @@ def get_act_offloading_ctx_manager(
     if min_offload_size is not None:  # TRL's threshold in bytes replaces ours in elements
         options.setdefault("min_offload_bytes", min_offload_size)
         options.setdefault("min_offload_numel", 0)
+    if memory_budget is not None:
+        if num_offloaded_layers is not None:
+            raise TypeError(
+                "get_act_offloading_ctx_manager: pass either num_offloaded_layers (k) or "
+                "memory_budget=..., not both."
+            )
+        return OffloadLayersContext(offload_layers(model, memory_budget=memory_budget, **options))
     if num_offloaded_layers is not None:
         return OffloadLayersContext(offload_layers(model, num_offloaded_layers, **options))
     with warnings.catch_warnings():

@@ -183,9 +183,10 @@ def host_bytes_per_rank(row: PlanRow) -> int:
 
 def to_json(plan: Plan, description: str) -> dict[str, object]:
     layer = dataclasses.asdict(plan.layer)
-    layer.pop("saved")
-    if layer["following"] is not None:
-        layer["following"].pop("saved")
+    for measured in (layer, layer["following"]):
+        if measured is not None:  # the long lists stay out: their totals are there
+            for key in ("saved", "forward_kernels", "backward_kernels", "recompute_kernels"):
+                measured.pop(key)
     return {
         "description": description,
         "layer": layer,

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..device_kernels import ATTENTIONS, DeviceKernels
+from ..kernel_costs import kernel_cost
 from ..layer_discovery import primary_tensor
 from ..policy import checkpoint_hazards
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, PARAMETER, kept_because
@@ -29,11 +29,6 @@ from ..tensor_group import TensorGroup, TensorGroupProcessor
 
 __all__ = ["ATTENTIONS", "LayerProfile", "measure_layer"]
 
-#: how ``scaled_dot_product_attention`` is measured: ``"flash"``, CUDA's flash kernel
-#: (the efficient kernel when there is a mask): q, k, v, the output and a float32
-#: log-sum-exp per row, O(s); ``"cpu"``, the CPU's flash kernel (what a CPU run saves);
-#: ``"math"``, the math implementation (the s x s probabilities among what it saves).
-ATTENTIONS = ("flash", "cpu", "math")
 BUFFER = "buffer"
 
 
@@ -67,6 +62,12 @@ class LayerProfile:
             output, not the example input: a strided view of a larger tensor, say, which
             moves through its base.  NOTE [The layers after the first]
         unpredictable: empty, or which layers the plan could not predict, and why.
+        forward_kernels, backward_kernels: ``(flops, bytes)`` of each kernel the
+            forward and the backward launch (``kernel_costs.kernel_cost``): a device
+            profile times them as a roofline (``DeviceProfile.compute_seconds``).
+        recompute_kernels: the kernels a checkpointed layer runs again in backward: its
+            forward's up to its last saved tensor (non-reentrant checkpointing stops
+            there: ``torch.utils.checkpoint``'s early stop).
     """
 
     saved_bytes: int
@@ -86,85 +87,26 @@ class LayerProfile:
     saved: list[tuple[tuple[int, ...], str, str]] = field(default_factory=list, repr=False)
     following: LayerProfile | None = None
     unpredictable: str = ""
+    forward_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    backward_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    recompute_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
 
-class _Attention(TorchFunctionMode):
-    """Routes ``scaled_dot_product_attention`` to the chosen kernel's meta function, so
-    that autograd saves what that kernel's backward needs."""
+class _Kernels(TorchDispatchMode):
+    """Records ``(flops, bytes)`` of every kernel launched inside it."""
 
-    def __init__(self, attention: str, fused_dropout: bool) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.attention = attention
-        self.fused_dropout = fused_dropout
-        self.uncounted: list[tuple[torch.Size, torch.Size, torch.Size]] = []
+        self.kernels: list[tuple[int, int]] = []
+        self.at_last_save = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.dropout and self.fused_dropout:
-            given = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
-            p, training = given.get("p", 0.5), given.get("training", True)
-            if training and 0 < p < 1 and not given.get("inplace", False):
-                # GPUs and NPUs run the fused kernel, which saves a 1-byte mask.
-                return torch.ops.aten.native_dropout(given["input"], p, True)[0]
-            return func(*args, **kwargs)
-        if func is not F.scaled_dot_product_attention or self.attention == "math":
-            return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-        given = dict(zip(names, args), **kwargs)
-        q, k, v = given["query"], given["key"], given["value"]
-        mask, dropout = given.get("attn_mask"), given.get("dropout_p", 0.0)
-        causal, scale = given.get("is_causal", False), given.get("scale")
-        aten = torch.ops.aten
-        if self.attention == "cpu" and not _cpu_runs_flash(q, k, v, mask, dropout, causal, given):
-            return func(*args, **kwargs)  # the math implementation, as on the meta device
-        if self.attention == "cpu":
-            self.uncounted.append((q.shape, k.shape, v.shape))  # no FLOP formula for it
-            return aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, dropout, causal, attn_mask=mask, scale=scale
-            )[0]
-        if mask is None:
-            return aten._scaled_dot_product_flash_attention(
-                q, k, v, dropout, causal, False, scale=scale
-            )[0]
-        if k.shape[-3] != q.shape[-3]:  # the efficient kernel takes no grouped heads
-            groups = q.shape[-3] // k.shape[-3]
-            k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
-        return aten._scaled_dot_product_efficient_attention(
-            q, k, v, mask.expand(q.shape[:-1] + k.shape[-2:-1]), True, dropout, causal, scale=scale
-        )[0]
-
-
-def _cpu_runs_flash(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    dropout: float,
-    causal: bool,
-    given: dict[str, Any],
-) -> bool:
-    """Whether ``scaled_dot_product_attention`` on the CPU runs its flash kernel for these
-    inputs (not with dropout, for one), asked of torch's own choice on stand-ins of their
-    shapes, dtypes and last strides (expanded: nothing of their size is allocated)."""
-
-    def stand_in(tensor: torch.Tensor) -> torch.Tensor:
-        last = tensor.stride(-1) if tensor.dim() else 1
-        size = max(1, tensor.shape[-1] * max(1, last))
-        storage = torch.empty(size, dtype=tensor.dtype, device="cpu")
-        strides = (0,) * (tensor.dim() - 1) + (last,)
-        return storage.as_strided(tensor.shape, strides)
-
-    choice = torch._fused_sdp_choice(
-        stand_in(q),
-        stand_in(k),
-        stand_in(v),
-        None if mask is None else stand_in(mask),
-        dropout,
-        causal,
-        scale=given.get("scale"),
-        enable_gqa=bool(given.get("enable_gqa", False)),
-    )
-    return bool(choice == SDPBackend.FLASH_ATTENTION.value)
+        out = func(*args, **kwargs)
+        cost = kernel_cost(func, args, kwargs, out)
+        if cost is not None:
+            self.kernels.append(cost)
+        return out
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -172,10 +114,15 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def _record(saved: list[torch.Tensor]) -> Iterator[None]:
+def _record(saved: list[torch.Tensor], kernels: _Kernels | None = None) -> Iterator[None]:
+    """Record what autograd saves; with ``kernels``, how many kernels had run at the
+    last save (``LayerProfile.recompute_kernels``)."""
+
     def pack(tensor: Any) -> Any:
         if isinstance(tensor, torch.Tensor):
             saved.append(tensor)
+        if kernels is not None:
+            kernels.at_last_save = len(kernels.kernels)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -239,8 +186,10 @@ def measure_layer(
             if value.is_floating_point() and value.is_leaf and not value.requires_grad:
                 inputs[index] = value.detach().requires_grad_()
     saved: list[torch.Tensor] = []
-    mode = _Attention(attention, fused_dropout)
-    with FlopCounterMode(display=False) as forward_counter, mode, _record(saved):
+    mode = DeviceKernels(attention, fused_dropout)
+    forward_kernels, backward_kernels = _Kernels(), _Kernels()
+    recording = _record(saved, forward_kernels)
+    with FlopCounterMode(display=False) as forward_counter, mode, recording, forward_kernels:
         output = layer(*inputs, **(kwargs or {}))
     primary = primary_tensor(output)
     if primary is None or primary.grad_fn is None:
@@ -248,10 +197,13 @@ def measure_layer(
             "measure_layer: the layer's output has no tensor that requires grad; pass "
             "inputs that require grad or a layer with trainable parameters."
         )
-    with FlopCounterMode(display=False) as backward_counter:
+    with FlopCounterMode(display=False) as backward_counter, backward_kernels:
         primary.backward(torch.empty_like(primary))
     extra_forward = sum(sdpa_flop_count(q, k, v) for q, k, v in mode.uncounted)
     extra_backward = sum(sdpa_backward_flop_count(q, q, k, v) for q, k, v in mode.uncounted)
+    if mode.uncounted:  # attention kernels without a FLOP formula: their FLOPs on top
+        forward_kernels.kernels.append((extra_forward, 0))
+        backward_kernels.kernels.append((extra_backward, 0))
     profile = LayerProfile(
         **_census(saved, inputs, layer, min_offload_numel),
         forward_flops=forward_counter.get_total_flops() + extra_forward,
@@ -260,11 +212,14 @@ def measure_layer(
         min_offload_numel=min_offload_numel,
         description=description,
         checkpoint_hazards=checkpoint_hazards(layer),
+        forward_kernels=forward_kernels.kernels,
+        backward_kernels=backward_kernels.kernels,
+        recompute_kernels=forward_kernels.kernels[: forward_kernels.at_last_save],
     )
 
     def run(chained: list[Any]) -> tuple[dict[str, Any], Any]:
         saved_again: list[torch.Tensor] = []
-        with _Attention(attention, fused_dropout), _record(saved_again):
+        with DeviceKernels(attention, fused_dropout), _record(saved_again):
             result = layer(*chained, **(kwargs or {}))
         return _census(saved_again, chained, layer, min_offload_numel), result
 

@@ -28,7 +28,7 @@ from ..schedule import schedule_points
 from .census import LayerProfile
 from .profiles import DeviceProfile
 
-__all__ = ["LayerCosts", "PlanRow", "first_k", "simulate", "simulate_policy"]
+__all__ = ["LayerCosts", "PlanRow", "first_k", "layer_costs", "simulate", "simulate_policy"]
 
 
 @dataclass
@@ -76,6 +76,8 @@ class LayerCosts:
         forward_s, backward_s: the layer's compute time.
         following: the costs of the layers after the first, where they differ (their
             input is the previous layer's output; NOTE [The layers after the first]).
+        recompute_s: a checkpointed layer's recomputation in backward; its whole
+            forward where None (:attr:`recompute`).
     """
 
     saved_bytes: int
@@ -86,6 +88,12 @@ class LayerCosts:
     input_bytes: int = 0
     input_offloaded_bytes: int = 0
     following: LayerCosts | None = None
+    recompute_s: float | None = None
+
+    @property
+    def recompute(self) -> float:
+        """Seconds a checkpointed layer spends recomputing in backward."""
+        return self.forward_s if self.recompute_s is None else self.recompute_s
 
     @classmethod
     def of(cls, layer: LayerProfile, device: DeviceProfile) -> LayerCosts:
@@ -93,16 +101,36 @@ class LayerCosts:
             saved_bytes=layer.saved_bytes,
             offloaded_bytes=layer.offloaded_bytes,
             kept_bytes=layer.kept_bytes,
-            forward_s=layer.forward_flops / device.flops_per_s,
-            backward_s=layer.backward_flops / device.flops_per_s,
+            forward_s=device.compute_seconds(layer.forward_flops, layer.forward_kernels),
+            backward_s=device.compute_seconds(layer.backward_flops, layer.backward_kernels),
             input_bytes=layer.input_bytes,
             input_offloaded_bytes=layer.input_offloaded_bytes,
             following=None if layer.following is None else cls.of(layer.following, device),
+            recompute_s=device.compute_seconds(
+                sum(f for f, _ in layer.recompute_kernels), layer.recompute_kernels
+            )
+            if layer.recompute_kernels
+            else None,
         )
 
     def per_layer(self, num_layers: int) -> list[LayerCosts]:
         """The costs of each layer of a stack of ``num_layers``."""
         return [self] + [self.following or self] * (num_layers - 1)
+
+
+def layer_costs(costs: LayerCosts | Sequence[LayerCosts], num_layers: int) -> list[LayerCosts]:
+    """One :class:`LayerCosts` per layer of a stack of ``num_layers``: a profile's
+    :meth:`LayerCosts.per_layer`, or a list with one entry per layer as it is (layers
+    that differ: dense and mixture-of-experts layers, the first and the last, hybrids)."""
+    if isinstance(costs, LayerCosts):
+        return costs.per_layer(num_layers)
+    each = list(costs)
+    if len(each) != num_layers:
+        raise ValueError(
+            f"simulate_policy: {len(each)} layer costs for a policy of {num_layers} layers; "
+            "give one LayerCosts per layer, or one for all of them."
+        )
+    return each
 
 
 def simulate(
@@ -131,7 +159,7 @@ def first_k(num_layers: int, k: int) -> list[str]:
 
 def simulate_policy(
     policy: Sequence[str],
-    costs: LayerCosts,
+    costs: LayerCosts | Sequence[LayerCosts],
     d2h_bytes_per_s: float,
     h2d_bytes_per_s: float,
     *,
@@ -141,7 +169,8 @@ def simulate_policy(
     the offloaded layers (``offload``, ``checkpoint+offload``) are released and reloaded
     as :class:`~cpu_offload.DefaultOffloadSynchronizer` schedules its ``offloaded_layers``;
     a checkpointed layer keeps its inputs saved and runs its forward again in backward,
-    where its saved activations are back on the device until the layer below runs."""
+    where its saved activations are back on the device until the layer below runs.
+    ``costs`` is one layer's, for a stack of layers alike, or a list of one per layer."""
     L = len(policy)
     offloaded = [j for j, choice in enumerate(policy) if choice in OFFLOADED]
     m = len(offloaded)
@@ -149,7 +178,7 @@ def simulate_policy(
     release_at = {layer: release for layer, (release, _) in points.items()}
     released_at = {release: layer for layer, (release, _) in points.items()}
     reloaded_at = {reload: layer for layer, (_, reload) in points.items()}
-    each = costs.per_layer(L)
+    each = layer_costs(costs, L)
     saved = [
         each[j].saved_bytes if c not in CHECKPOINTED else each[j].input_bytes
         for j, c in enumerate(policy)
@@ -213,8 +242,8 @@ def simulate_policy(
         if j in release_at:
             wait_for(reload_done[j])
         if policy[j] in CHECKPOINTED:
-            compute += each[j].forward_s
-            recompute += each[j].forward_s
+            compute += each[j].recompute
+            recompute += each[j].recompute
             hold(j, each[j].saved_bytes)
             actions.append(f"recompute {j}")
         compute += each[j].backward_s

@@ -147,6 +147,34 @@ def test_gpt_model_trains_bit_identical_and_moves_most_saved_bytes(megatron):
     assert inside == [False, False]
 
 
+def test_gpt_model_trains_bit_identical_under_a_memory_budget(megatron, capsys):
+    example, device = megatron
+    data = example.batches(device, 3)
+    expected = example.train(example.build(None, device), data)
+    with megatron_offload.patch(min_offload_numel=0, memory_budget="1MiB"):
+        model = example.build(example.OFFLOADED, device)
+    synchronizer = model.decoder.offload_context.offload_synchronizer
+    moved = []
+    original = synchronizer.listener.step_starts
+
+    def step_starts():  # the bytes moved by the step that ended
+        moved.append(synchronizer.stats.bytes_offloaded)
+        original()
+
+    synchronizer.listener.step_starts = step_starts
+    actual = example.train(model, data)
+    for step_expected, step_actual in zip(expected, actual):
+        assert all(torch.equal(a, b) for a, b in zip(step_expected, step_actual))
+    plan = synchronizer.plan
+    assert "offload" in plan.policy and not set(plan.policy) - {"keep", "offload"}
+    assert plan.checkpoint_refused == [
+        "layers 0-3: no module to checkpoint: the layers run in the host library's own loop"
+    ]
+    total = synchronizer.stats.bytes_offloaded
+    assert moved[:2] == [0, 0] and total - moved[2] == plan.predicted.offloaded_bytes
+    assert "cpu_offload.integrations.megatron(memory_budget=1.00 MiB)" in capsys.readouterr().out
+
+
 def test_example_runs():
     require("megatron.core")
     result = subprocess.run(

@@ -76,6 +76,27 @@ def test_the_drop_in_offloads_all_layers_but_the_last_by_default():
     ctx.remove()
 
 
+def test_the_drop_in_takes_a_memory_budget(capsys):
+    expected = step(build())
+    model = build()
+    ctx = get_act_offloading_ctx_manager(model, True, memory_budget="700KiB", min_offload_numel=0)
+    stats = ctx.handle.offload_synchronizer.stats
+    assert same(step(model), expected) and stats.forward_passes == 0  # outside: untouched
+    assert same(step(model, ctx), expected) and ctx.handle.plan is None  # measured
+    moved = []
+    for _ in range(2):
+        before = stats.bytes_offloaded
+        assert same(step(model, ctx), expected)
+        moved.append(stats.bytes_offloaded - before)
+    plan = ctx.handle.plan
+    assert plan.fits and plan.policy != ["keep"] * LAYERS
+    assert moved == [plan.predicted.offloaded_bytes] * 2
+    assert "get_act_offloading" not in capsys.readouterr().out  # offload_layers says it
+    ctx.remove()
+    with pytest.raises(TypeError, match="pass either num_offloaded_layers .k. or memory_budget"):
+        get_act_offloading_ctx_manager(model, True, 2, memory_budget="1GiB")
+
+
 def test_disabled_is_a_null_context():
     assert isinstance(get_act_offloading_ctx_manager(build(), False), contextlib.nullcontext)
 

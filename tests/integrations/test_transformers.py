@@ -132,6 +132,48 @@ def test_trainer_with_the_callback_matches_a_run_without_it(tmp_path):
     assert all(not layer._forward_hooks for layer in model.model.layers)
 
 
+class PlanRecorder(transformers.TrainerCallback):
+    """The plan and the bytes moved so far at each step's end."""
+
+    def __init__(self, offload) -> None:
+        self.offload = offload
+        self.seen: list[tuple[object, int]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        handle = self.offload.handle
+        self.seen.append((handle.plan, handle.offload_synchronizer.stats.bytes_offloaded))
+
+
+def test_trainer_with_a_memory_budget_matches_a_run_without_it(tmp_path, capsys):
+    from cpu_offload.integrations.transformers import OffloadCallback
+
+    expected = train(tmp_path / "plain", [])
+    callback = OffloadCallback(memory_budget=1, min_offload_numel=0)  # nothing fits 1 byte
+    recorder = PlanRecorder(callback)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nothing fits; checkpointed layers drop the cache
+        model = train(tmp_path / "offload", [callback, recorder])
+    for (name, a), b in zip(model.named_parameters(), expected.parameters()):
+        assert torch.equal(a, b), name
+    (plan, first), (same, second) = recorder.seen
+    assert plan is same and not plan.fits
+    # step 1: a measured micro-batch, then one planned; step 2: two planned
+    assert (first, second - first) == (plan.predicted.offloaded_bytes, 2 * first)
+    assert capsys.readouterr().out.count("cpu_offload: offload_layers(memory_budget=1 B)") == 1
+    assert callback.handle is None
+
+
+def test_the_callback_takes_k_or_a_budget():
+    from cpu_offload.integrations.transformers import OffloadCallback
+
+    with pytest.raises(
+        TypeError, match="^OffloadCallback: pass either .* or memory_budget=.*not both"
+    ):
+        OffloadCallback(1, memory_budget="1GiB")
+    with pytest.raises(TypeError, match="got neither"):
+        OffloadCallback()
+
+
 def test_the_callback_needs_a_model():
     from cpu_offload.integrations.transformers import OffloadCallback
 

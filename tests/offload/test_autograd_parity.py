@@ -11,6 +11,7 @@ exception class (and, for autograd's in-place check, autograd's words).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,9 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts as torch_sac
 
-from cpu_offload import get_cpu_offload_context, offload_layers
+from cpu_offload import (
+    create_selective_checkpoint_contexts,
+    get_cpu_offload_context,
+    offload_layers,
+)
 from cpu_offload.chunked import ChunkedOffload
 from cpu_offload.integrations.torchtune import OffloadActivations
 
@@ -52,6 +58,28 @@ class Offload:
         """``offload_layers(modules, policy=...)``; the baseline runs the plain modules."""
         if self.k is not None:
             handle = offload_layers(modules, policy=policy, min_offload_numel=0)
+            self.handles.append(handle.context)
+
+    def sac(self, policy: Any, allow: bool = False) -> Callable[[], Any]:
+        """The ``context_fn`` of a selective checkpoint: ours when offloading; for the
+        baseline torch's, with ``*_CPU_OFFLOAD`` read as ``PREFER_SAVE`` (an offloaded
+        output is a saved one that moved)."""
+        if self.k is not None:
+            return functools.partial(
+                create_selective_checkpoint_contexts, policy, allow_cache_entry_mutation=allow
+            )
+        if callable(policy):
+            policy = functools.partial(saved_instead_of_offloaded, policy)
+        return functools.partial(torch_sac, policy, allow_cache_entry_mutation=allow)
+
+    def budget(self, modules: list[torch.nn.Module]) -> None:
+        """``offload_layers(modules, memory_budget=...)``: a measured step, then the
+        policy chosen for :data:`BUDGETS` at this k; the baseline runs the plain modules."""
+        if self.k is not None:
+            budget, link = BUDGETS[self.k]
+            handle = offload_layers(
+                modules, memory_budget=budget, min_offload_numel=0, copy_bandwidth=link
+            )
             self.handles.append(handle.context)
 
     @property
@@ -412,6 +440,27 @@ def views_through_their_base(off: Offload) -> list[torch.Tensor]:
     return [x.grad, w3.grad, w2.grad]
 
 
+def view_through_its_base_modified_after_release(off: Offload) -> list[torch.Tensor]:
+    """Layer 0 saves a 2-D view of a 3-D activation (a matmul's input), which moves
+    through its base; after the layer's release, the base is modified in place.  The
+    release drops the base's memory (the version keeper of a view holds no base), and
+    the check still sees the change."""
+    x, w = leaf(2, 4, 6), leaf(6, 6)
+    kept: list[torch.Tensor] = []
+
+    def first(h: torch.Tensor) -> torch.Tensor:
+        base = h * 1.0
+        kept.append(base)
+        return base @ w  # saves base.view(8, 6)
+
+    def last(h: torch.Tensor) -> torch.Tensor:
+        kept[0].add_(1)  # layer 0 was released when this layer entered
+        return h.tanh()
+
+    chain([first, torch.sin, last], x, *off.context()).sum().backward()
+    return [x.grad, w.grad]
+
+
 def tensors_saved_twice(modify: bool) -> Callable[[Offload], list[torch.Tensor]]:
     """A leaf and an activation each saved by two ops of one layer (copied once, handed
     back twice), beside layers that save each tensor once; with ``modify``, the
@@ -610,6 +659,43 @@ def per_layer_policy(inplace: bool) -> Callable[[Offload], list]:
     return program
 
 
+#: the memory budget and copy bandwidth of the automatic rows per k: a budget that keeps a
+#: layer (the link measured), and one nothing fits on a link so slow that the closest
+#: policy recomputes
+BUDGETS: dict[int, tuple[int, float | None]] = {1: (700, None), 2: (1, 1e3)}
+
+
+def automatic_policy(lengths: tuple[int, ...], inplace: bool = False) -> Callable[[Offload], list]:
+    """offload_layers(memory_budget=...): a measured step, then steps under the policy
+    chosen from it (dropout in checkpointed layers, recomputed with the same masks); a
+    longer input measured again and planned for; optionally a layer's input modified in
+    place after the last forward."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Tanh())
+            for _ in range(L)
+        ]
+        off.budget(blocks)
+        found = []
+        for step, rows in enumerate(lengths):
+            x = leaf(rows, 4)
+            h, inputs = x * 1, []
+            for block in blocks:
+                inputs.append(h)
+                h = block(h)
+            if inplace and step == len(lengths) - 1:
+                inputs[1].mul_(2)  # layer 1's input, saved by its first operation or checkpoint
+            h.sum().backward()
+            found += [x.grad, *(p.grad.clone() for block in blocks for p in block.parameters())]
+            for block in blocks:
+                block.zero_grad(set_to_none=True)
+        return found
+
+    return program
+
+
 class Keywords(torch.nn.Module):
     """A layer whose keyword arguments are named like ``torch.utils.checkpoint``'s own;
     each changes what it computes."""
@@ -708,6 +794,202 @@ def layers_with_a_cache(off: Offload) -> list[torch.Tensor]:
     return [x.grad, *(p.grad for block in blocks for p in block.parameters())]
 
 
+# ------------------------------------------------- selective checkpointing (SAC)
+# torch's policies per op, in layers that checkpoint with our context_fn (the baseline:
+# torch's, *_CPU_OFFLOAD read as PREFER_SAVE; Offload.sac).
+
+P = CheckpointPolicy
+OFFLOAD_KINDS = (P.MUST_CPU_OFFLOAD, P.PREFER_CPU_OFFLOAD)
+MUTATED = "Tensor cached during selective activation checkpoint has been mutated"
+#: every kind of policy, one op each (dropout's ops, unlisted, are PREFER_RECOMPUTE)
+EVERY_KIND = {
+    torch.ops.aten.mm.default: P.MUST_CPU_OFFLOAD,
+    torch.ops.aten.sin.default: P.PREFER_CPU_OFFLOAD,
+    torch.ops.aten.tanh.default: P.MUST_SAVE,
+    torch.ops.aten.cos.default: P.PREFER_SAVE,
+    torch.ops.aten.exp.default: P.MUST_RECOMPUTE,
+    torch.ops.aten.mul.Tensor: P.PREFER_RECOMPUTE,
+}
+
+
+def saved_instead_of_offloaded(policy: Callable, ctx: Any, op: Any, *args: Any, **kwargs: Any):
+    choice = policy(ctx, op, *args, **kwargs)
+    return P.PREFER_SAVE if choice in OFFLOAD_KINDS else choice
+
+
+def by_op(kinds: dict[Any, CheckpointPolicy]) -> Callable[..., CheckpointPolicy]:
+    """A policy function: ``kinds`` per op, PREFER_RECOMPUTE for the others."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return kinds.get(op, P.PREFER_RECOMPUTE)
+
+    return policy
+
+
+def selective(body: Callable, context_fn: Callable) -> Callable:
+    """A layer: ``body`` under non-reentrant checkpointing with ``context_fn``."""
+    return lambda h: checkpoint(body, h, use_reentrant=False, context_fn=context_fn)
+
+
+def sac_every_kind(off: Offload) -> list[torch.Tensor]:
+    """Every policy kind in each layer, with dropout recomputed under the saved RNG state."""
+    x, ws = leaf(8, 4), [leaf(4, 4) for _ in range(L)]
+
+    def body(w: torch.Tensor) -> Callable:
+        def layer(h: torch.Tensor) -> torch.Tensor:
+            a = h @ w
+            b = a.sin() * a.tanh()
+            return torch.nn.functional.dropout(b.cos(), 0.5).exp()
+
+        return layer
+
+    fns = [selective(body(w), off.sac(by_op(EVERY_KIND))) for w in ws]
+    chain(fns, x, *off.context()).sum().backward()
+    return [x.grad, *(w.grad for w in ws)]
+
+
+def sac_random_op_offloaded(off: Offload) -> list[torch.Tensor]:
+    """An RNG op's output offloaded (not run again in the recompute) before dropout."""
+    x = leaf(8, 4)
+    policy = by_op({torch.ops.aten.randn.default: P.MUST_CPU_OFFLOAD})
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(h.shape)
+        return torch.nn.functional.dropout((h + noise).sin(), 0.5)
+
+    chain([selective(layer, off.sac(policy))] * L, x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def sac_op_list(off: Offload) -> list[torch.Tensor]:
+    """torch's shorthand, a list of ops to save: nothing is offloaded but the inputs."""
+    x, w = leaf(8, 4), leaf(4, 4)
+    ops = [torch.ops.aten.mm.default, torch.ops.aten.sin.default]
+    layer = selective(lambda h: (h @ w).sin().cos(), off.sac(ops))
+    chain([layer] * L, x, *off.context()).sum().backward()
+    return [x.grad, w.grad]
+
+
+def sac_two_outputs_and_a_view(off: Offload) -> list[torch.Tensor]:
+    """Both outputs of var_mean, and a transposed view, offloaded."""
+    x = leaf(8, 4)
+    policy = by_op(
+        {
+            torch.ops.aten.var_mean.correction: P.MUST_CPU_OFFLOAD,
+            torch.ops.aten.t.default: P.MUST_CPU_OFFLOAD,
+        }
+    )
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(h, dim=0)
+        return ((h - mean) * var).sin().t().exp().t()
+
+    chain([selective(layer, off.sac(policy))] * L, x, *off.context()).sum().backward()
+    return [x.grad]
+
+
+def sac_in_place(where: str, allow: bool = False) -> Callable[[Offload], list]:
+    """An in-place change: of an offloaded output inside its checkpoint (``inside``) or
+    in the next layer, after its copy started (``after copy``); of a saved output
+    (``saved``); of a checkpoint's input, saved by the layer (``input``)."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        x, w = leaf(8, 4), leaf(4, 4)
+        policy = by_op(
+            {
+                torch.ops.aten.mm.default: P.MUST_CPU_OFFLOAD,
+                torch.ops.aten.tanh.default: P.MUST_SAVE,
+            }
+        )
+
+        def first(h: torch.Tensor) -> torch.Tensor:
+            a = h @ w
+            if where == "inside":
+                a.mul_(2)
+            b = h.tanh()
+            if where == "saved":
+                b.mul_(2)
+            return a if where == "after copy" else (a * b).sin()
+
+        def second(h: torch.Tensor) -> torch.Tensor:
+            if where == "after copy":
+                h.mul_(2)  # layer 0's offloaded output, copied when this layer entered
+            return h.cos()
+
+        ctx, sync_fn = off.context()
+        inputs = []
+        h = x * 1.0
+        for fn in [selective(first, off.sac(policy, allow)), second, torch.exp]:
+            inputs.append(h)
+            with ctx if ctx is not None else contextlib.nullcontext():
+                h = fn(h)
+            h = sync_fn(h) if sync_fn is not None else h
+        if where == "input":
+            inputs[0].add_(1)  # saved by layer 0's checkpoint
+        h.sum().backward()
+        return [x.grad, w.grad]
+
+    return program
+
+
+def sac_backward_twice(off: Offload) -> list[torch.Tensor]:
+    """retain_graph=True, then a second backward: torch allows one per SAC region."""
+    x, w = leaf(8, 4), leaf(4, 4)
+    layer = selective(lambda h: (h @ w).sin(), off.sac(by_op(EVERY_KIND)))
+    loss = chain([layer] * L, x, *off.context()).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return [x.grad]
+
+
+class SelectiveBlock(torch.nn.Module):
+    """A block that checkpoints its own forward with a selective policy."""
+
+    def __init__(self, context_fn: Callable) -> None:
+        super().__init__()
+        self.linear, self.context_fn = torch.nn.Linear(4, 4), context_fn
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.dropout(self.linear(x))).tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.body, x, use_reentrant=False, context_fn=self.context_fn)
+
+
+def sac_in_offload_layers(off: Offload) -> list[torch.Tensor]:
+    """offload_layers on blocks that checkpoint selectively inside their forward."""
+    torch.manual_seed(0)
+    policy = by_op(
+        {
+            torch.ops.aten.addmm.default: P.MUST_CPU_OFFLOAD,
+            torch.ops.aten.gelu.default: P.PREFER_CPU_OFFLOAD,
+        }
+    )
+    blocks = [SelectiveBlock(off.sac(policy)) for _ in range(L)]
+    off.layers(blocks)
+    x = leaf(8, 4)
+    h = x
+    for block in blocks:
+        h = block(h)
+    h.sum().backward()
+    return [x.grad, *(p.grad for block in blocks for p in block.parameters())]
+
+
+def sac_in_a_whole_forward(off: Offload) -> list[torch.Tensor]:
+    """OffloadActivations around a whole forward whose checkpoints offload outputs."""
+    ctx: Any = contextlib.nullcontext()
+    if off.k is not None:
+        ctx = OffloadActivations(min_offload_size=0, chunk_bytes=1)
+        off.handles.append(ctx)
+    x, w = leaf(8, 4), leaf(4, 4)
+    layer = selective(lambda h: (h @ w).sin().cos(), off.sac(by_op(EVERY_KIND)))
+    with ctx:
+        out = layer(layer(x)).exp()
+    out.sum().backward()
+    return [x.grad, w.grad]
+
+
 @dataclass
 class Row:
     program: Callable[[Offload], list[torch.Tensor]]
@@ -753,6 +1035,9 @@ PROGRAMS = {
     "varying lengths, dropped forwards": Row(varying_lengths_and_dropped_forwards),
     "permuted saved tensors": Row(permuted_saved_tensors),
     "views through their base (qkv, SwiGLU)": Row(views_through_their_base),
+    "a view through its base, modified after the release": Row(
+        view_through_its_base_modified_after_release, match=MODIFIED
+    ),
     "integer indices from nonzero and argsort": Row(integer_indices_from_nonzero),
     "tensors saved twice (a leaf, an activation)": Row(tensors_saved_twice(False)),
     "a tensor saved twice, modified in place": Row(tensors_saved_twice(True), match=MODIFIED),
@@ -779,6 +1064,28 @@ PROGRAMS = {
         layer_keywords_named_like_checkpoints(("use_reentrant", "function", "context_fn"))
     ),
     "policy, a layer given a cache and use_cache=True": Row(layers_with_a_cache),
+    "SAC: every policy kind, dropout": Row(sac_every_kind),
+    "SAC: an RNG op's output offloaded, dropout after it": Row(sac_random_op_offloaded),
+    "SAC: a list of ops": Row(sac_op_list),
+    "SAC: two outputs and a view offloaded": Row(sac_two_outputs_and_a_view),
+    "SAC: offloaded output changed in place, inside": Row(sac_in_place("inside"), match=MUTATED),
+    "SAC: offloaded output changed in place after its copy": Row(
+        sac_in_place("after copy"), match=MUTATED
+    ),
+    "SAC: saved output changed in place": Row(sac_in_place("saved"), match=MUTATED),
+    "SAC: checkpoint input changed in place": Row(sac_in_place("input"), match=MODIFIED),
+    "SAC: allow_cache_entry_mutation, changed inside": Row(sac_in_place("inside", allow=True)),
+    "SAC: allow_cache_entry_mutation, changed after the copy": Row(
+        sac_in_place("after copy", allow=True)
+    ),
+    "SAC: backward twice": Row(sac_backward_twice, match="Trying to backward an extra time"),
+    "SAC: offload_layers on blocks that checkpoint": Row(sac_in_offload_layers),
+    "SAC: OffloadActivations around a whole forward": Row(sac_in_a_whole_forward),
+    "memory_budget: measured, then planned": Row(automatic_policy((8, 8, 8))),
+    "memory_budget, a longer input measured again": Row(automatic_policy((8, 8, 24, 24, 8))),
+    "memory_budget, a layer's input modified in place": Row(
+        automatic_policy((8, 8), inplace=True), match=MODIFIED
+    ),
 }
 
 

@@ -178,3 +178,24 @@ def test_retained_buffers_with_changed_shape_then_clean_iteration(streams):
         before["num_host_alloc"],
         before["reserved_bytes"],
     )
+
+
+def test_release_frees_the_base_of_a_view_moved_through_it(streams):
+    """A matmul on a 3-D activation saves a 2-D view of it, which is copied through its
+    base.  Once the layer is released its device memory must go: the version keeper of
+    the view used to hold the base (``_base``) until the end of backward, so on a device
+    a Linear layer's input stayed allocated after its offload."""
+    freed: list[int] = []
+    ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=0)
+    layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)]
+    x = torch.randn(2, 8, WIDTH, requires_grad=True)
+    for index, layer in enumerate(layers):
+        with ctx:
+            h = x.sin()  # saved through its base: matmul saves h.view(16, WIDTH)
+            weakref.finalize(h.untyped_storage(), freed.append, index)
+            x = layer(h)
+        x = sync_fn(x)
+        del h
+    assert sorted(freed) == [0, 1]  # layers 0 and 1 offloaded and released; 2, 3 kept
+    x.sum().backward()
+    assert sorted(freed) == [0, 1, 2, 3]

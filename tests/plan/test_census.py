@@ -96,6 +96,52 @@ def test_flops_of_a_linear_layer():
     assert layer.saved_bytes == 64 * 512 * 4  # the input; the weight is a parameter
 
 
+def test_the_kernels_of_a_layer_carry_its_flops_and_the_bytes_it_moves():
+    """forward and backward kernels: the matmuls and the elementwise work beside them,
+    which a device profile with a memory bandwidth times as a roofline."""
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU())  # noqa: E731
+    layer = measure_layer(make, torch.empty(8192, 4096, device="meta"), min_offload_numel=0)
+    assert sum(f for f, _ in layer.forward_kernels) == layer.forward_flops
+    assert sum(f for f, _ in layer.backward_kernels) == layer.backward_flops
+    gelu = 2 * 8192 * 4096 * 4  # reads its input, writes its output (float32)
+    assert (0, gelu) in layer.forward_kernels
+    h100 = get_profile("h100")
+    roofline = sum(h100.kernel_seconds(f, b) for f, b in layer.forward_kernels)
+    assert LayerCosts.of(layer, h100).forward_s == pytest.approx(roofline)
+    assert roofline > layer.forward_flops / h100.flops_per_s  # GELU is memory-bound
+    small = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())  # noqa: E731
+    tiny = measure_layer(small, torch.empty(4, 64, device="meta"), min_offload_numel=0)
+    issue = len(tiny.forward_kernels) * h100.host_issue_s  # launch-bound: the host's pace
+    assert LayerCosts.of(tiny, h100).forward_s == pytest.approx(issue)
+
+
+def test_a_recompute_stops_at_the_last_saved_tensor():
+    """Non-reentrant checkpointing recomputes up to the layer's last saved tensor: a layer
+    ending in a matmul saves that matmul's input before it runs, so its recompute does
+    not run it (the planner used to charge a whole forward)."""
+    make = lambda: torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)
+    )  # noqa: E731
+    layer = measure_layer(make, torch.empty(64, 512, device="meta"), min_offload_numel=0)
+    assert layer.forward_kernels[-1][0] == 2 * 64 * 1024 * 512  # the last Linear's
+    assert layer.recompute_kernels == layer.forward_kernels[:-1]
+    costs = LayerCosts.of(layer, get_profile("h100"))
+    assert costs.recompute < costs.forward_s
+    x = torch.randn(64, 512, requires_grad=True)
+    model = make()
+    counted = []
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counted.append(func)
+            return func(*args, **(kwargs or {}))
+
+    y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    with Count():
+        y.sum().backward()
+    assert counted.count(torch.ops.aten.addmm.default) == 1  # recomputed: the first only
+
+
 def test_classification_names_why_tensors_stay():
     spec = preset_layer("tiny")
     layer = measure_layer(spec.make_layer, spec.inputs, min_offload_numel=2**18, attention="cpu")

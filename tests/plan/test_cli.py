@@ -108,7 +108,16 @@ def test_a_llama_config_json_is_read_without_transformers(tmp_path, monkeypatch)
     assert fallback["num_layers"] == hf["num_layers"] == 32
     assert fallback["layer"].pop("description") != hf["layer"].pop("description")
     assert fallback["layer"] == hf["layer"] and fallback["layer"]["offloaded_bytes"] > 0
-    assert fallback["rows"] == hf["rows"]
+    # Bytes exactly; times within 2% of the step: transformers' layer also appends to its
+    # cache, a few memory-bound kernels the fallback does not run.
+    for mine, its in zip(fallback["rows"], hf["rows"], strict=True):
+        for key, value in its.items():
+            if key.endswith("_s"):
+                assert mine[key] == pytest.approx(value, abs=0.02 * its["step_s"]), key
+            elif key == "overhead":
+                assert mine[key] == pytest.approx(value, abs=0.02), key
+            else:
+                assert mine[key] == value, key
     assert [r["host_bytes_per_rank"] for r in hf["rows"]] == [
         r["offloaded_bytes"] for r in hf["rows"]
     ]

@@ -395,7 +395,7 @@ def test_the_worked_example_of_the_docs_runs(capsys, monkeypatch, tmp_path):
     runpy.run_path(example, run_name="__main__")
     assert not has_matplotlib() or plot.stat().st_size > 1000
     out = capsys.readouterr().out
-    assert "| 20 GiB | 7 O, 15 C, 10 K | +15.0% | k=22: +85% | +32% |" in out  # as documented
+    assert "| 20 GiB | 9 O, 13 C, 10 K | +11.1% | k=22: +49% | +27% |" in out  # as documented
     assert out.count("(nothing fits; closest)") == 4  # 1.5 and 1 GiB, on both devices
 
 
@@ -427,3 +427,126 @@ def test_a_disabled_handle_neither_offloads_nor_checkpoints():
     h.sum().backward()
     assert handle.offload_synchronizer.stats.tensors_offloaded == 0
     handle.remove()
+
+
+# ------------------------------------------------------------- layers that differ
+
+
+def random_stack(rng, L):
+    """Layers that each draw their saved bytes, offloadable share, inputs and compute."""
+    stack = []
+    for _ in range(L):
+        saved = rng.choice([50, 100, 200, 400])
+        moved = int(saved * rng.choice([1.0, 0.9, 0.6]))
+        inputs = rng.choice([5, 10, 30, 60])
+        forward = rng.choice([0.5, 1.0, 2.0, 4.0])
+        stack.append(
+            LayerCosts(
+                saved, moved, saved - moved, forward, 2 * forward, inputs, rng.choice([0, inputs])
+            )
+        )
+    return stack
+
+
+@pytest.mark.parametrize("L", [2, 3, 6])
+def test_the_vectorized_model_is_the_reference_model_layer_by_layer(L):
+    rng = random.Random(L)
+    codes = policy_family(L)
+    for _ in range(4):
+        stack = random_stack(rng, L)
+        d2h, h2d = rng.choice([10, 1000]), rng.choice([10, 1000])
+        many = simulate_many(codes, stack, d2h, h2d)
+        for index, row_codes in enumerate(codes):
+            row = simulate_policy([POLICY_CHOICES[i] for i in row_codes], stack, d2h, h2d)
+            assert row.peak_bytes == many.peak_bytes[index]
+            assert row.end_of_forward_bytes == many.end_of_forward_bytes[index]
+            assert row.offloaded_bytes == many.offloaded_bytes[index]
+            assert row.step_s == pytest.approx(many.step_s[index], abs=1e-9)
+
+
+def test_a_stack_of_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match="3 layer costs for a policy of 2 layers"):
+        simulate_policy(["keep", "keep"], [costs()] * 3, 1.0, 1.0)
+
+
+def test_the_search_against_every_policy_layer_by_layer():
+    """Brute force over all 4^L policies (L = 5) of stacks whose layers differ: the
+    family and the local search find the optimum for most budgets, are never more than
+    8.1% slower, and find a policy that fits wherever one does (NOTE [Layers that
+    differ] states the bound for L = 4 to 7)."""
+    L = 5
+    every = np.array(
+        [
+            p
+            for p in itertools.product(range(4), repeat=L)
+            if POLICY_CHOICES[p[-1]] in ("keep", "checkpoint")
+        ],
+        dtype=np.int8,
+    )
+    exact = budgets = 0
+    for seed in range(8):
+        rng = random.Random(5000 + seed)
+        stack, link = random_stack(rng, L), rng.choice([10.0, 30.0, 100.0, 1000.0])
+        best = simulate_many(every, stack, link, link)
+        search = PolicySearch.of_layers(stack, link, link)
+        peaks = np.unique(best.peak_bytes)
+        for budget in peaks[np.linspace(0, len(peaks) - 1, 24).astype(int)]:
+            optimum = best.step_s[best.peak_bytes <= budget].min()
+            choice = search.choose(int(budget))
+            assert choice.fits
+            assert optimum <= choice.predicted.step_s + 1e-9 <= optimum * 1.081 + 1e-9
+            exact += bool(choice.predicted.step_s <= optimum + 1e-9)
+            budgets += 1
+    assert exact >= 0.93 * budgets
+
+
+def test_layers_of_two_kinds_get_two_treatments():
+    """Dense layers (little to save, a short forward) and mixture-of-experts layers (much
+    to save, a long forward), alternating, on a slow link. Per layer, the search
+    recomputes the expert layers and offloads their inputs, and keeps the dense ones; a
+    profile for all layers alike (a dense layer's, an expert layer's, or their average)
+    chooses a policy that, run with the real layers, does not fit or is slower."""
+    dense = LayerCosts(100, 100, 0, 0.2, 0.4, 10, 10)
+    moe = LayerCosts(400, 400, 0, 4.0, 8.0, 10, 10)
+    stack = [dense, moe] * 4
+    link, budget = 100.0, 700
+    chosen = PolicySearch.of_layers(stack, link, link).choose(budget)
+    assert chosen.fits
+    assert [chosen.policy[j] for j in (1, 3, 5)] == ["checkpoint+offload"] * 3
+    assert not {chosen.policy[j] for j in (0, 2, 4, 6)} & {"checkpoint", "checkpoint+offload"}
+    average = LayerCosts(250, 250, 0, 2.1, 4.2, 10, 10)
+    for uniform in (dense, moe, average):
+        alike = PolicySearch.of_layers([uniform] * len(stack), link, link).choose(budget)
+        real = simulate_policy(alike.policy, stack, link, link)
+        assert alike.policy != chosen.policy
+        assert real.peak_bytes > budget or real.step_s > chosen.predicted.step_s + 1e-9
+
+
+def test_a_layer_with_hazards_is_never_checkpointed_and_one_module_agrees_with_itself():
+    stack = [costs(forward=f) for f in (1.0, 2.0, 0.5, 1.5, 1.0, 3.0)]
+    hazards = [[], ["BatchNorm"], [], [], [], []]
+    modules = [0, 1, 2, 3, 2, 5]  # layers 2 and 4 are one module
+    search = PolicySearch.of_layers(stack, 10.0, 10.0, hazards=hazards, modules=modules)
+    for budget in (600, 300, 200, 120, 1):
+        plan = search.choose(budget)
+        assert plan.policy[1] in ("keep", "offload")
+        assert (plan.policy[2] in ("checkpoint", "checkpoint+offload")) == (
+            plan.policy[4] in ("checkpoint", "checkpoint+offload")
+        )
+    assert search.checkpoint_refused == ["layer 1: BatchNorm"]
+
+
+def test_the_plan_prints_as_a_table_and_says_why_nothing_fits():
+    stack = [costs(), costs(kept=50), costs()]
+    plan = PolicySearch.of_layers(stack, 10.0, 10.0, names=["A", "B", "C"]).choose(1)
+    assert not plan.fits
+    text = str(plan)
+    assert text.splitlines()[0].startswith("PolicyPlan for 1 B of saved activations: NOTHING FITS")
+    assert [line.split()[:3] for line in text.splitlines()[2:5]] == [
+        ["0", "A", plan.policy[0].replace("checkpoint+offload", "ckpt+offload")],
+        ["1", "B", plan.policy[1].replace("checkpoint+offload", "ckpt+offload")],
+        ["2", "C", plan.policy[2].replace("checkpoint+offload", "ckpt+offload")],
+    ]
+    assert "why nothing fits: the closest policy found peaks at" in plan.why
+    assert plan.why in text
+    assert plan.line().startswith(plan.runs() + "; predicted peak")

@@ -107,6 +107,21 @@ def test_built_in_and_custom_profiles():
         get_profile("tpu")
 
 
+def test_a_profile_times_a_kernel_as_a_roofline():
+    h100 = get_profile("h100")
+    assert h100.memory_bytes_per_s == pytest.approx(3.35e12 * 0.8)
+    assert h100.launch_s > 0 and h100.host_issue_s > 0 and h100.runtime == "cuda"
+    assert get_profile("910b").runtime == "npu"
+    matmul = h100.kernel_seconds(1e12, 1e6)  # bound by its FLOPs
+    assert matmul == pytest.approx(1e12 / h100.flops_per_s + h100.launch_s)
+    elementwise = h100.kernel_seconds(1e6, 1e9)  # bound by its bytes
+    assert elementwise == pytest.approx(1e9 / h100.memory_bytes_per_s + h100.launch_s)
+    assert h100.compute_seconds(2e12, [(1e12, 1e6), (1e6, 1e9)]) == matmul + elementwise
+    plain = DeviceProfile(link_bytes_per_s=5e10, flops_per_s=1e14)  # FLOPs only, as given
+    assert plain.compute_seconds(2e12, [(1e12, 1e6), (1e12, 1e9)]) == 2e12 / 1e14
+    assert plain.pageable == 2.5e10  # half the pinned rate, unless given
+
+
 def test_a_measured_profile_from_the_check_command(tmp_path):
     path = tmp_path / "check.json"
     document = {
@@ -119,6 +134,7 @@ def test_a_measured_profile_from_the_check_command(tmp_path):
     profile = DeviceProfile.from_json(path)
     assert (profile.d2h, profile.h2d) == (5.1e10, 4.9e10)
     assert profile.flops_per_s == PROFILES["h100"].flops_per_s
+    assert profile.memory_bytes_per_s == PROFILES["h100"].memory_bytes_per_s  # its kernels
     assert "measured" in profile.name
     document["environment"]["device_name"] = "Some Accelerator"
     path.write_text(json.dumps(document))
@@ -148,8 +164,23 @@ def test_plan_offload_refuses_a_bad_layer_count():
         ({"flops_per_s": 0}, ValueError, "flops_per_s must be a finite number > 0, got 0"),
         ({"h2d_bytes_per_s": "5e10"}, TypeError, "h2d_bytes_per_s must be a number of bytes"),
         ({"flops_per_s": True}, TypeError, "flops_per_s must be a number of FLOP per second"),
+        ({"memory_bytes_per_s": 0.0}, ValueError, "memory_bytes_per_s must be a finite number"),
+        ({"launch_s": -1e-6}, ValueError, "launch_s must be a finite number >= 0, got -1e-06"),
+        ({"host_issue_s": "8us"}, TypeError, "host_issue_s must be a number of seconds"),
+        ({"runtime": "tpu"}, ValueError, "runtime must be 'cuda' or 'npu', got 'tpu'"),
     ],
-    ids=["negative-h2d", "nan-h2d", "inf-link", "zero-flops", "string-h2d", "bool-flops"],
+    ids=[
+        "negative-h2d",
+        "nan-h2d",
+        "inf-link",
+        "zero-flops",
+        "string-h2d",
+        "bool-flops",
+        "zero-memory",
+        "negative-launch",
+        "string-issue",
+        "unknown-runtime",
+    ],
 )
 def test_a_device_profile_refuses_figures_no_device_has(figures, error, message):
     given = {"link_bytes_per_s": 5e10, "flops_per_s": 1e14, **figures}

@@ -1,0 +1,116 @@
+"""What the policy search answers: the policy chosen for a memory budget, its predicted
+cost, and the table it prints as."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, policy_runs
+from .schedule_model import LayerCosts, PlanRow
+
+__all__ = ["PolicyPlan", "size"]
+
+#: choices by code, for tables
+_SHORT = {
+    KEEP: "keep",
+    OFFLOAD: "offload",
+    CHECKPOINT: "checkpoint",
+    CHECKPOINT_OFFLOAD: "ckpt+offload",
+}
+
+
+def size(nbytes: float) -> str:
+    """Bytes as a person reads them: ``"1.50 MiB"``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass
+class PolicyPlan:
+    """The policy chosen for a memory budget, and what it is predicted to cost.
+
+    ``str(plan)`` is a table: one row per layer (its choice, the bytes it saves, moves,
+    and keeps when checkpointed), then the prediction.
+
+    Attributes:
+        policy: one of ``POLICY_CHOICES`` per layer; pass it to
+            ``offload_layers(model, policy=...)``.
+        fits: whether its peak of saved activations fits the budget; when no policy
+            fits, ``policy`` is the one with the smallest peak (the closest).
+        predicted: the event model's row for it (``end_of_forward_bytes``,
+            ``peak_bytes``, ``offloaded_bytes`` per step, ``step_s``, ``overhead``,
+            ``recompute_s``, ``exposed_copy_s``, ``log``).
+        memory_budget: the budget, in bytes of saved activations.
+        candidates: how many policies were compared.
+        checkpoint_refused: why layers were not checkpointed (their
+            ``checkpoint_hazards``); empty when checkpointing was among every layer's
+            choices.
+        layer_costs: the costs of each layer the plan was made from.
+        layer_names: what each layer is (its class), for the table.
+        why: when nothing fits, why not.
+    """
+
+    policy: list[str]
+    fits: bool
+    predicted: PlanRow
+    memory_budget: int
+    candidates: int
+    checkpoint_refused: list[str] = field(default_factory=list)
+    layer_costs: list[LayerCosts] = field(default_factory=list, repr=False)
+    layer_names: list[str] = field(default_factory=list, repr=False)
+    why: str = ""
+
+    def blocks(self) -> list[tuple[int, int, str]]:
+        """``(first layer, last layer, choice)`` for each run of equal choices."""
+        return policy_runs(self.policy)
+
+    def runs(self) -> str:
+        """The policy as runs of layers: ``"0-5 offload, 6-7 checkpoint, 8-31 keep"``."""
+        return ", ".join(
+            f"{first}-{last} {choice}" if last > first else f"{first} {choice}"
+            for first, last, choice in self.blocks()
+        )
+
+    def line(self) -> str:
+        """One line: the runs, the predicted peak against the budget, the overhead."""
+        row = self.predicted
+        return (
+            f"{self.runs()}; predicted peak {size(row.peak_bytes)} of "
+            f"{size(self.memory_budget)}{'' if self.fits else ' (NOTHING FITS: the closest)'}"
+            f", predicted overhead {row.overhead:+.1%}"
+        )
+
+    def __str__(self) -> str:
+        row = self.predicted
+        lines = [
+            f"PolicyPlan for {size(self.memory_budget)} of saved activations: "
+            + ("fits" if self.fits else "NOTHING FITS (the closest)")
+            + f", the best of {self.candidates} policies",
+            f"{'layer':>5}  {'module':<24} {'choice':<12} {'saved':>11} {'moved':>11} "
+            f"{'inputs':>11}",
+        ]
+        for index, choice in enumerate(self.policy):
+            name = self.layer_names[index] if index < len(self.layer_names) else ""
+            cost = self.layer_costs[index] if index < len(self.layer_costs) else None
+            moved = 0
+            if cost is not None and choice == OFFLOAD:
+                moved = cost.offloaded_bytes
+            elif cost is not None and choice == CHECKPOINT_OFFLOAD:
+                moved = cost.input_offloaded_bytes
+            saved, inputs = (cost.saved_bytes, cost.input_bytes) if cost else (0, 0)
+            lines.append(
+                f"{index:>5}  {name[:24]:<24} {_SHORT[choice]:<12} {size(saved):>11} "
+                f"{size(moved):>11} {size(inputs):>11}"
+            )
+        lines.append(
+            f"predicted: peak {size(row.peak_bytes)}, end of forward "
+            f"{size(row.end_of_forward_bytes)}, {size(row.offloaded_bytes)} moved per step, "
+            f"step {row.step_s * 1e3:.3f} ms ({row.overhead:+.1%}: {row.recompute_s * 1e3:.3f} "
+            f"ms recompute, {row.exposed_copy_s * 1e3:.3f} ms waiting for copies)"
+        )
+        if self.why:
+            lines.append(self.why)
+        lines += [f"checkpointing refused: {hazard}" for hazard in self.checkpoint_refused]
+        return "\n".join(lines)

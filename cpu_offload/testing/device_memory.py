@@ -1,0 +1,169 @@
+"""Device memory of a modeled accelerator, counted as PyTorch's caching allocator counts it.
+
+NOTE [Modeled device memory]
+    A block is allocated when the operator that creates it is issued, rounded up to the
+    allocator's 512 bytes, and freed when the last reference to its memory dies (the
+    storage's finalizer).  A block that another stream used, and that was handed to
+    ``Tensor.record_stream`` for it, comes back only once that stream's work issued
+    before the free has completed, *as the host sees it*: the allocator polls its events
+    when it next allocates, and drains them at a synchronisation, so while the host runs
+    ahead of the device such a block stays allocated.  ``memory_allocated`` is the sum of
+    blocks allocated now, ``peak`` its maximum, and the curve has one point per change,
+    at the device time of the allocating stream (where the work that uses the memory
+    starts, or the work before the free ends).  Host memory (pinned or pageable) is
+    tracked only to tell copies' directions and rates; it is not device memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..kernel_costs import storage_id
+from .clocks import StreamClock, Timeline
+
+__all__ = ["Block", "DeviceMemory", "MemoryMark"]
+
+#: the caching allocator rounds every block up to a multiple of this many bytes
+ROUND = 512
+
+
+class Block:
+    """One storage the model tracks: device memory, or host memory (pinned or pageable)."""
+
+    __slots__ = ("size", "stream", "host", "pinned", "recorded", "finalizer")
+
+    def __init__(self, size: int, stream: StreamClock, host: bool, pinned: bool) -> None:
+        self.size = size
+        self.stream = stream
+        self.host = host
+        self.pinned = pinned
+        self.recorded: set[int] = set()  # ids of streams handed to record_stream
+        self.finalizer: weakref.finalize | None = None
+
+
+@dataclass(frozen=True)
+class MemoryMark:
+    """Device memory at a point the program marked (``TimedReport.mark``).
+
+    Attributes:
+        label: the program's name for the point.
+        time: the compute stream's time there (seconds).
+        allocated: device bytes allocated then.
+        counted: ``allocated`` less the blocks of the tensors the mark was told not to
+            count (the hidden state handed to the next layer, gradients, ...).
+    """
+
+    label: str
+    time: float
+    allocated: int
+    counted: int
+
+
+class DeviceMemory:
+    """The model's allocator count; see NOTE [Modeled device memory]."""
+
+    def __init__(self, timeline: Timeline, streams: dict[int, StreamClock]) -> None:
+        self.timeline = timeline
+        self.streams = streams  # stream id -> clock (record_stream names a stream by id)
+        self.blocks: dict[int, Block] = {}
+        self.allocated = 0
+        self.peak = 0
+        self.peak_since_reset = 0  # torch.cuda.max_memory_allocated's
+        self.curve: list[tuple[float, int]] = []
+        self.marks: list[MemoryMark] = []
+        self.deferred: list[tuple[float, Block]] = []  # freed, awaiting recorded streams
+        self.closed = False
+
+    def block(self, tensor: torch.Tensor) -> Block | None:
+        """The block of ``tensor``'s memory, if the model tracks it."""
+        key = storage_id(tensor)
+        return None if key is None else self.blocks.get(key)
+
+    def track(
+        self,
+        tensor: torch.Tensor,
+        stream: StreamClock,
+        time: float,
+        host: bool = False,
+        pinned: bool = False,
+    ) -> None:
+        """A new storage: ``tensor``'s, allocated now by work issued on ``stream`` that
+        starts at ``time``."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        size = storage.nbytes()
+        block = Block(-(-size // ROUND) * ROUND, stream, host, pinned)
+        self.blocks[key] = block
+        block.finalizer = weakref.finalize(storage, self._died, key)
+        block.finalizer.atexit = False
+        if not host:
+            if self.deferred:
+                self.poll()
+            self._change(block.size, time)
+
+    def record_stream(self, tensor: torch.Tensor, stream_id: int) -> None:
+        """``tensor.record_stream(stream)``: its block waits for that stream when freed."""
+        block = self.block(tensor)
+        if block is not None and not block.host and stream_id in self.streams:
+            block.recorded.add(stream_id)
+
+    def _died(self, key: int) -> None:
+        block = self.blocks.pop(key, None)
+        if block is None or block.host or self.closed:
+            return
+        if block.recorded:
+            ready = max(self.streams[s].time for s in block.recorded)
+            if ready > self.timeline.host:
+                self.deferred.append((ready, block))
+                return
+        self._change(-block.size, self.timeline.now(block.stream))
+
+    def poll(self) -> None:
+        """Return the recorded blocks whose streams' work the host sees completed."""
+        host, waiting = self.timeline.host, []
+        for ready, block in self.deferred:
+            if ready <= host:
+                self._change(-block.size, self.timeline.now(block.stream))
+            else:
+                waiting.append((ready, block))
+        self.deferred = waiting
+
+    def _change(self, nbytes: int, time: float) -> None:
+        allocated = self.allocated = self.allocated + nbytes
+        if allocated > self.peak_since_reset:
+            self.peak_since_reset = allocated
+            if allocated > self.peak:
+                self.peak = allocated
+        self.curve.append((time, allocated))
+
+    def mark(self, label: str, not_counted: Iterable[object], compute: StreamClock) -> MemoryMark:
+        """Note the memory now, less the distinct blocks of the ``not_counted`` tensors."""
+        seen: set[int] = set()
+        excluded = 0
+        for tensor in not_counted:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            key = storage_id(tensor)
+            if key is None or key in seen:
+                continue
+            block = self.blocks.get(key)
+            if block is not None and not block.host:
+                seen.add(key)
+                excluded += block.size
+        mark = MemoryMark(
+            label, self.timeline.now(compute), self.allocated, self.allocated - excluded
+        )
+        self.marks.append(mark)
+        return mark
+
+    def close(self) -> None:
+        """The run is over: later deaths are not counted (the program may keep tensors)."""
+        self.closed = True
+        for block in self.blocks.values():
+            if block.finalizer is not None:
+                block.finalizer.detach()
+        self.blocks.clear()

@@ -1,0 +1,111 @@
+"""Streams and events of the modeled accelerator (NOTE [Modeled clocks] in clocks.py).
+
+A :class:`TimedStream` is a ``torch.Stream`` (so that ``Tensor.record_stream`` accepts
+it) with a clock; a :class:`TimedEvent` carries the time at which the work before it
+completes.  In the data mode of ``timed_runtime`` each also drives a stream or event of
+the strict simulator (``inner``), so every hazard of NOTE [Strict stream simulation]
+still raises.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Protocol
+
+import torch
+
+from ..backend import HostTimingEvent
+from .clocks import StreamClock, Timeline
+
+__all__ = ["Runtime", "TimedEvent", "TimedStream"]
+
+
+class Runtime(Protocol):
+    """What streams and events ask of the runtime they belong to (``timed_device.py``)."""
+
+    timeline: Timeline
+    current: TimedStream
+
+    def Event(self, enable_timing: bool = False) -> TimedEvent: ...  # noqa: N802
+
+    def wait_event(self, stream: TimedStream, event: TimedEvent) -> None: ...
+
+    def host_wait(self, time: float, what: str) -> None: ...
+
+
+_ids = itertools.count(1 << 20)  # stream ids of their own (record_stream names streams by id)
+
+
+class TimedStream(torch.Stream):
+    """A stream of the modeled accelerator.
+
+    Attributes:
+        runtime: the runtime it belongs to.
+        clock: its clock.
+        inner: the strict simulator's stream it drives, in the data mode (else None).
+    """
+
+    def __new__(cls, runtime: Runtime, clock: StreamClock, inner: Any = None) -> TimedStream:
+        return super().__new__(cls, stream_id=next(_ids), device_type=0, device_index=0)
+
+    def __init__(self, runtime: Runtime, clock: StreamClock, inner: Any = None) -> None:
+        self.runtime = runtime
+        self.clock = clock
+        self.inner = inner
+
+    def wait_event(self, event: TimedEvent) -> None:  # type: ignore[override]
+        self.runtime.wait_event(self, event)
+
+    def wait_stream(self, stream: TimedStream) -> None:  # type: ignore[override]
+        event = self.runtime.Event()
+        event.record(stream)
+        self.runtime.wait_event(self, event)
+
+    def record_event(self, event: TimedEvent | None = None) -> TimedEvent:  # type: ignore[override]
+        event = event if event is not None else self.runtime.Event()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        self.runtime.host_wait(self.clock.time, f"{self.clock.name}.synchronize()")
+        if self.inner is not None:
+            self.inner.synchronize()
+
+    def query(self) -> bool:
+        return self.clock.time <= self.runtime.timeline.host
+
+    def __repr__(self) -> str:
+        return f"TimedStream({self.clock.name}, at {self.clock.time * 1e3:.3f} ms)"
+
+
+class TimedEvent:
+    """An event of the modeled accelerator: the stream it was recorded on, and when the
+    work before it completes.
+
+    Args:
+        runtime: the runtime it belongs to.
+        inner: the strict simulator's event it drives, in the data mode (else None).
+    """
+
+    def __init__(self, runtime: Runtime, inner: Any = None) -> None:
+        self.runtime = runtime
+        self.inner = inner
+        self.stream: TimedStream | None = None
+        self.time = 0.0
+
+    def record(self, stream: TimedStream | None = None) -> None:
+        stream = stream if stream is not None else self.runtime.current
+        self.stream = stream
+        self.time = self.runtime.timeline.now(stream.clock)
+        if self.inner is not None:
+            self.inner.record(stream.inner)
+
+    def synchronize(self) -> None:
+        self.runtime.host_wait(self.time, "event.synchronize()")
+        if self.inner is not None:
+            self.inner.synchronize()
+
+    def query(self) -> bool:
+        return self.stream is None or self.time <= self.runtime.timeline.host
+
+    elapsed_time = HostTimingEvent.elapsed_time  # milliseconds from this event to ``end``
