@@ -178,9 +178,16 @@ class AutoPolicy:
             self._hooks.append(module.register_forward_pre_hook(hook))
             if not self.hazards[position]:
                 wanted = functools.partial(self._checkpoints, key)
+                at = [j for j, m in enumerate(layers) if m is module]
+                noted = functools.partial(self.synchronizer.recorder.note_recompute, *at)
                 self._checkpointing.append(
-                    checkpoint_forward(module, wanted, position, self._warned)
+                    checkpoint_forward(module, wanted, position, self._warned, noted)
                 )
+
+    @property
+    def policy(self) -> list[str] | None:
+        """The plan's policy in force; None while the first step is measured."""
+        return list(self.plan.policy) if self.plan is not None else None
 
     def _checkpoints(self, module: int) -> bool:
         return module in self._planned and self.enabled()

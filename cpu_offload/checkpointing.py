@@ -314,9 +314,14 @@ def _same(value: Any) -> Any:
 
 
 def checkpoint_forward(
-    module: nn.Module, enabled: Callable[[], bool], position: int, warned: set[str]
+    module: nn.Module,
+    enabled: Callable[[], bool],
+    position: int,
+    warned: set[str],
+    on_recompute: Callable[[], None] | None = None,
 ) -> Checkpointing:
-    """Checkpoint ``module``'s forward until the returned request is removed.
+    """Checkpoint ``module``'s forward until the returned request is removed;
+    ``on_recompute()`` is called at each recompute in backward.
 
     A module already wrapped (by another handle) is not wrapped twice: the request
     joins its wrapper.
@@ -324,5 +329,6 @@ def checkpoint_forward(
     current = module.__dict__.get("forward")
     wrapper = current if isinstance(current, CheckpointedForward) else CheckpointedForward(module)
     request = Checkpointing(wrapper, enabled, position, warned)
+    request.on_recompute = on_recompute
     wrapper.requests.append(request)
     return request

@@ -15,7 +15,8 @@ from typing import Any
 
 from .engine import OffloadEngine
 from .layer_state import OffloadableLayerState
-from .step_report import StepRecord, StepReport
+from .step_record import StepRecord
+from .step_report import StepReport
 
 __all__ = ["ChunkEngine", "ChunkedForward"]
 

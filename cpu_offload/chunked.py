@@ -66,7 +66,8 @@ from .layer_state import OffloadableLayerState
 from .log import logger, warn
 from .per_thread import PerThread
 from .selection import is_offloadable
-from .step_report import StepReport, nominal_bytes
+from .step_record import nominal_bytes
+from .step_report import StepReport
 from .transitions import LayerState
 
 __all__ = ["CHUNK_FRACTION", "MAX_CHUNK_BYTES", "ChunkedForward", "ChunkedOffload", "ChunkEngine"]
@@ -118,6 +119,27 @@ def _prefetch(state: OffloadableLayerState) -> None:
         state.start_reload()
 
 
+def _checked_chunk_bytes(chunk_bytes: object) -> int | None:
+    if chunk_bytes is not None and (
+        isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1
+    ):
+        raise ValueError(
+            f"cpu_offload: chunk_bytes must be an int >= 1, or None (chunks that grow "
+            f"with the forward), got {chunk_bytes!r}."
+        )
+    return chunk_bytes
+
+
+def _chunks(chunk_bytes: int | None) -> str:
+    """How a repr says the chunks."""
+    if chunk_bytes is not None:
+        return f"chunks of {chunk_bytes} bytes"
+    return (
+        f"chunks growing with the forward to 1/{round(1 / CHUNK_FRACTION)} of it (at most "
+        f"{MAX_CHUNK_BYTES // 2**20} MiB)"
+    )
+
+
 class ChunkedOffload:
     """Offload what a whole forward saves, in chunks; see the module.
 
@@ -160,14 +182,7 @@ class ChunkedOffload:
         max_host_bytes: int | None = None,
         retain_pinned_cpu_buffers: bool = False,
     ) -> None:
-        if chunk_bytes is not None and (
-            isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1
-        ):
-            raise ValueError(
-                f"cpu_offload: chunk_bytes must be an int >= 1, or None (chunks that grow "
-                f"with the forward), got {chunk_bytes!r}."
-            )
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = _checked_chunk_bytes(chunk_bytes)
         self.offload_synchronizer = ChunkEngine(
             retain_pinned_cpu_buffers,
             device=device,
@@ -184,17 +199,10 @@ class ChunkedOffload:
         return self.offload_synchronizer.report()
 
     def __repr__(self) -> str:
-        if self.chunk_bytes is None:
-            chunks = (
-                f"chunks growing with the forward to 1/{round(1 / CHUNK_FRACTION)} of it (at "
-                f"most {MAX_CHUNK_BYTES // 2**20} MiB)"
-            )
-        else:
-            chunks = f"chunks of {self.chunk_bytes} bytes"
         engine = self.offload_synchronizer
         return (
-            f"{type(self).__name__}(whole forward in {chunks}, the last kept; "
-            f"{engine.thresholds(self.bytes_threshold_name)}; device {engine.backend.device})"
+            f"{type(self).__name__}(whole forward in {_chunks(self.chunk_bytes)}, the last "
+            f"kept; {engine.thresholds(self.bytes_threshold_name)}; device {engine.backend.device})"
         )
 
     # ------------------------------------------------------------- context

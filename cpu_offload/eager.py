@@ -47,6 +47,7 @@ _HOOK_MODULES = (
     "cpu_offload.selection",
     "cpu_offload.selective_checkpoint",
     "cpu_offload.stats",
+    "cpu_offload.step_record",
     "cpu_offload.step_report",
     "cpu_offload.synchronizer",
     "cpu_offload.tensor_group",

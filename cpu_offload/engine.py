@@ -22,7 +22,8 @@ from .host_buffers import HostBufferPool
 from .layer_state import OffloadableLayerState
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .stats import OffloadStats
-from .step_report import Measured, StepRecord, StepRecorder, StepReport, layer_ranges
+from .step_record import Measured, StepRecord
+from .step_report import StepRecorder, StepReport, layer_ranges
 
 __all__ = ["OffloadEngine", "check_count"]
 
@@ -185,6 +186,7 @@ class OffloadEngine:
                 under a manual controller).
         """
         layers = self.model_layers
+        policy = self.recorder.last_choices() or policy
         if policy is None:
             offloaded = self.offloaded_layers
             policy = [
@@ -194,7 +196,7 @@ class OffloadEngine:
         notes = {
             i: "the last layer: never offloaded" if i == layers - 1 else "not offloaded"
             for i, choice in enumerate(policy)
-            if choice in ("keep", "checkpoint")
+            if choice in ("keep", "checkpoint", "measured")
         }
         checkpointed = [i for i, choice in enumerate(policy) if choice.startswith("checkpoint")]
         return self.recorder.report(str(self.backend.device), "layer", policy, notes, checkpointed)

@@ -39,10 +39,17 @@ from .copy_timer import CopyTimer
 from .handles import Lease
 from .host_buffers import HostBufferPool
 from .stats import OffloadStats
-from .step_report import SaveCounts
+from .step_record import SaveCounts
 from .tensor_group import GroupLayout, TensorGroup, TensorGroupProcessor
 
-__all__ = ["NOT_WAITED", "CopyingLayer", "LayerData", "version_keeper"]
+__all__ = [
+    "NOT_WAITED",
+    "CopyingLayer",
+    "LayerData",
+    "count_moves",
+    "pushed_bytes",
+    "version_keeper",
+]
 
 #: ``LayerData.reload_waited_on`` before any stream waited for the reload
 NOT_WAITED = object()
@@ -267,29 +274,6 @@ class LayerData:
         self._copy(layer, "d2h", hosts, sources)
         self.in_flight = [backend.record_event(stream)]
 
-    def pushed_bytes(self) -> int:
-        """Bytes of the tensors as pushed (a view's own, a tensor pushed twice twice)."""
-        return sum(t.numel() * t.itemsize for t in self.pushed)
-
-    def count_moves(self, saves: SaveCounts) -> None:
-        """Count, after :meth:`copy_out`, the pushed tensors that moved and those the host
-        cap kept (NOTE [Counting saved tensors for nearly nothing] in step_report.py)."""
-        saves.copied_bytes += self.host_bytes
-        pushed = self.pushed
-        if not self.grouped and not self.stay:  # each pushed tensor copied as it is
-            saves.moved += len(pushed)
-            saves.moved_bytes += self.host_bytes
-            return
-        sources = self.layout.source_index if self.layout is not None else range(len(pushed))
-        for tensor, source in zip(pushed, sources):
-            nbytes = tensor.numel() * tensor.itemsize
-            if self.host[source] is None:
-                saves.capped += 1
-                saves.capped_bytes += nbytes
-            else:
-                saves.moved += 1
-                saves.moved_bytes += nbytes
-
     def copy_in(self, layer: CopyingLayer) -> None:
         """Queue the host-to-device copies back, one event for the layer."""
         if not self.host:
@@ -361,3 +345,28 @@ class LayerData:
         """The cycle is over: wait for copies in flight, give the host buffers back."""
         self.wait_for_copies(layer)
         layer.host_buffers.release(layer.layer_index, self.host)
+
+
+def pushed_bytes(data: LayerData) -> int:
+    """Bytes of the tensors ``data`` pushed (a view's own, a tensor pushed twice twice)."""
+    return sum(t.numel() * t.itemsize for t in data.pushed)
+
+
+def count_moves(data: LayerData, saves: SaveCounts) -> None:
+    """Count, after :meth:`LayerData.copy_out`, the pushed tensors that moved and those the
+    host cap kept (NOTE [Counting saved tensors for nearly nothing] in step_record.py)."""
+    saves.copied_bytes += data.host_bytes
+    pushed = data.pushed
+    if not data.grouped and not data.stay:  # each pushed tensor copied as it is
+        saves.moved += len(pushed)
+        saves.moved_bytes += data.host_bytes
+        return
+    sources = data.layout.source_index if data.layout is not None else range(len(pushed))
+    for tensor, source in zip(pushed, sources):
+        nbytes = tensor.numel() * tensor.itemsize
+        if data.host[source] is None:
+            saves.capped += 1
+            saves.capped_bytes += nbytes
+        else:
+            saves.moved += 1
+            saves.moved_bytes += nbytes

@@ -17,18 +17,13 @@ from .autograd_hooks import checkpoint_forward_active, forward_inside_backward
 from .checkpointing import checkpoint_forward
 from .context import get_cpu_offload_context
 from .errors import CpuOffloadError
+from .handle_summary import found_layers, schedule_of
 from .layer_context import OffloadContext
 from .layer_discovery import locate_layers, primary_tensor
 from .log import logger, warn
 from .marking import mark_not_offload
-from .policy import (
-    OFFLOADED,
-    check_policy,
-    checkpointed_modules,
-    describe_policy,
-    warn_checkpoint_hazards,
-)
-from .schedule import max_offloaded
+from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
+from .schedule import max_offloaded, resolve_count
 from .step_report import StepReport
 
 if TYPE_CHECKING:
@@ -36,20 +31,6 @@ if TYPE_CHECKING:
     from .plan.policy_plan import PolicyPlan
 
 __all__ = ["OffloadLayersHandle", "offload_layers"]
-
-
-def _resolve_count(k: int | float, num_layers: int) -> int:
-    """``k`` layers, or a fraction of ``num_layers`` (rounded down)."""
-    if isinstance(k, bool) or not isinstance(k, (int, float)):
-        raise TypeError(f"offload_layers: k must be an int or a fraction, got {k!r}.")
-    if isinstance(k, float):
-        if not 0.0 <= k < 1.0:
-            raise ValueError(
-                f"offload_layers: a fractional k must be in [0, 1), got {k}; pass an int "
-                f"for a number of layers (at most {num_layers - 1} of {num_layers})."
-            )
-        return int(k * num_layers)
-    return k
 
 
 class _PassThrough:
@@ -139,11 +120,9 @@ class OffloadLayersHandle:
         forwards_seen: the layer forwards the hooks have seen while enabled.
         auto: with ``memory_budget=``, the :class:`~cpu_offload.auto_policy.AutoPolicy`
             that measures, chooses and watches the policy (else None).
-        found: the layers and where they were found (``"4 LlamaDecoderLayer at
-            model.layers"``).
-        policy: per layer, ``offload``, ``keep``, ``checkpoint`` or
-            ``checkpoint+offload`` (None under manual synchronization).
-        k: the ``k`` the layers were chosen by, or None for a policy.
+        found: the layers and where (``"4 LlamaDecoderLayer at model.layers"``).
+        policy, k: each layer's choice, and the ``k`` it came from (None: a policy);
+            None under manual synchronization and ``memory_budget=`` (:attr:`plan`).
     """
 
     def __init__(self, context: OffloadContext, sync_fn: Any, controller: Any) -> None:
@@ -169,22 +148,15 @@ class OffloadLayersHandle:
         return self.auto.plan if self.auto is not None else None
 
     def report(self) -> StepReport:
-        """What the last step did, per layer: the tensors saved, moved and kept (and
-        why), whether each checkpointed layer was recomputed, host and device memory.
-        A step is a forward pass and its backward (NOTE [What a step is] in
-        step_report.py); ``print()`` the report for a table, ``to_dict()`` for loggers."""
+        """The last step (NOTE [What a step is] in step_report.py), per layer: tensors saved,
+        moved and kept (and why), recomputes, memory; ``print()`` it, or ``to_dict()``."""
         return self.offload_synchronizer.report(self.policy)
 
     def __repr__(self) -> str:
-        synchronizer = self.offload_synchronizer
-        if self.policy is None:
-            schedule = "a manual controller offloads"
-        else:
-            k = f" (k={self.k})" if self.k is not None else ""
-            schedule = f"layers {describe_policy(self.policy)}{k}"
+        sync, schedule = self.offload_synchronizer, schedule_of(self.policy, self.k, self.auto)
         return (
-            f"OffloadLayersHandle({self.found}; {schedule}; {synchronizer.thresholds()}; "
-            f"device {synchronizer.backend.device}{'' if self._hooks else '; removed'})"
+            f"OffloadLayersHandle({self.found}; {schedule}; {sync.thresholds()}; "
+            f"device {sync.backend.device}{'' if self._hooks else '; removed'})"
         )
 
     def remove(self) -> None:
@@ -385,7 +357,7 @@ def offload_layers(
         checkpointed = checkpointed_modules(layers, chosen, owner)
         count = len(options["offloaded_layers"])
     if policy is None and memory_budget is None:
-        count = _resolve_count(num_offloaded_layers, len(layers))  # type: ignore[arg-type]
+        count = resolve_count(num_offloaded_layers, len(layers))  # type: ignore[arg-type]
         if not manual and not 0 <= count <= max_offloaded(len(layers)):
             raise ValueError(
                 f"offload_layers: k={num_offloaded_layers!r} but {len(layers)} layers were "
@@ -400,11 +372,8 @@ def offload_layers(
     handle = OffloadLayersHandle(context, sync_fn, result[2] if manual else None)
     handle.auto = auto
     synchronizer = context.offload_synchronizer
-    kinds = {type(layer).__name__ for layer in layers}
-    handle.found = f"{len(layers)} {kinds.pop() if len(kinds) == 1 else 'modules'} at {where}"
-    if where != "the list given":
-        handle.found += f" of {owner}"
-    if not manual:
+    handle.found = found_layers(layers, where, owner)
+    if not manual and auto is None:
         handle.policy = chosen or ["offload" if i < count else "keep" for i in range(len(layers))]
         handle.k = None if policy is not None else count
     positions: dict[int, list[int]] = {}  # module id -> its positions in the list
@@ -464,10 +433,9 @@ def offload_layers(
         handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
     # Inside the hooks: see NOTE [Checkpoint inside the offload context]
     warned: set[str] = set()  # once per handle
-    for module in checkpointed:
-        at = positions[id(module)]
-        request = checkpoint_forward(module, lambda: handle.enabled, at[0], warned)
-        request.on_recompute = functools.partial(synchronizer.recorder.note_recompute, *at)
+    for m in checkpointed:
+        noted = functools.partial(synchronizer.recorder.note_recompute, *positions[id(m)])
+        request = checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned, noted)
         handle._hooks.append(request)
     if checkpointed:
         warn_checkpoint_hazards(layers, chosen)

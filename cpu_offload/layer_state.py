@@ -73,7 +73,7 @@ from .selection import (
     warn_not_dense,
 )
 from .stats import OffloadStats
-from .step_report import nominal_bytes
+from .step_record import nominal_bytes
 from .tensor_group import offloads_through_base
 from .transitions import LayerState, LayerTransitions
 

@@ -9,22 +9,13 @@ NOTE [What a step is]
     accumulation the last micro-batch is the last step.  A forward without a backward
     (evaluation, a dropped graph) replaces nothing for the layer API.
 
-NOTE [Counting saved tensors for nearly nothing]
-    Every figure is counted where its decision is already made, so that the hooks pay
-    almost nothing for the report: a tensor kept under the threshold appends its bytes
-    to one list of its layer (a list append is the cheapest count Python has); a tensor
-    kept for another reason appends ``(reason, bytes)``; the tensors that move are
-    counted per layer when its copies start (from the sizes the copies need anyway), and
-    the host cap's refusals there too.  Nothing is summed until a report is asked for.
-    Layers without hooks (not offloaded) are not seen: their saved tensors stay with
-    autograd, uncounted, and the report says so.
+The counts a report is built from are taken by the hooks (``step_record.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from .selection import (
     BIT_OR_TRACING,
@@ -36,26 +27,10 @@ from .selection import (
     SMALL,
     SUBCLASS,
 )
+from .step_record import HOST_CAP, NOT_COPIED, SaveCounts, StepRecord
 
-__all__ = [
-    "EndOfForward",
-    "HOST_CAP",
-    "LayerRow",
-    "NOT_COPIED",
-    "REASONS",
-    "SaveCounts",
-    "StepRecord",
-    "StepRecorder",
-    "StepReport",
-    "layer_ranges",
-    "nominal_bytes",
-]
+__all__ = ["EndOfForward", "LayerRow", "REASONS", "StepRecorder", "StepReport", "layer_ranges"]
 
-#: kept because the host buffer pool was at ``max_host_bytes``
-HOST_CAP = "host cap"
-#: pushed to move, but the layer's offload never started (the last chunk of a
-#: whole-forward context; a layer the manual controller did not offload)
-NOT_COPIED = "not copied"
 
 #: per reason a tensor stayed: the key loggers see, and how the table says it
 REASONS: dict[str, tuple[str, str]] = {  # in the order the offloader asks
@@ -71,56 +46,8 @@ REASONS: dict[str, tuple[str, str]] = {  # in the order the offloader asks
     NOT_COPIED: ("not_offloaded", "offload never started"),
 }
 _LAST_CHUNK = ("last_chunk", "in the last chunk")
-
-
-class SaveCounts:
-    """What one layer (or chunk) did with the tensors saved in its forward; see NOTE
-    [Counting saved tensors for nearly nothing].
-
-    Attributes:
-        kept_fast: per tensor kept at the two commonest decisions, its bytes if it was
-            under the threshold, or ``~bytes`` (negative) if it was a parameter; the
-            layer state's own list, appended to by its push.
-        kept: ``(reason, bytes)`` of each tensor kept for another reason at push.
-        moved, moved_bytes: saved tensors whose data went to the host (a tensor saved
-            twice counts twice; its bytes are its own, a view's its view's).
-        capped, capped_bytes: tensors the host cap kept.
-        not_copied, not_copied_bytes: tensors pushed to move whose offload never started.
-        copied_bytes: bytes copied to the host (each tensor once, a view's base whole).
-        released_bytes: of those, bytes dropped from the device before backward.
-        reloaded_bytes: bytes copied back.
-        on_demand: whether backward needed the layer before its reload was scheduled.
-    """
-
-    # the counts are class attributes until a layer has something to count (most never do)
-    moved = moved_bytes = capped = capped_bytes = not_copied = not_copied_bytes = 0
-    copied_bytes = released_bytes = reloaded_bytes = 0
-    on_demand = False
-
-    def __init__(self, kept_fast: list[int] | None = None) -> None:
-        self.kept_fast: list[int] = [] if kept_fast is None else kept_fast
-        self.kept: list[tuple[str, int]] = []
-
-    def save_counts(self) -> SaveCounts:
-        return self
-
-    def with_not_copied(self, tensors: int, nbytes: int) -> SaveCounts:
-        """A copy that also counts ``tensors`` pushed to move and not copied (yet)."""
-        counts = SaveCounts()
-        counts.__dict__.update(self.__dict__)
-        counts.not_copied += tensors
-        counts.not_copied_bytes += nbytes
-        return counts
-
-
-class CountsSource(Protocol):
-    """What a step record holds per layer: its counts, asked for when a report is built."""
-
-    def save_counts(self) -> SaveCounts: ...
-
-
-#: host reserved and in-use bytes, device bytes (None: not reported), at a forward's end
-Measured = tuple[int, int, "int | None"]
+#: pushed to a layer that the policy does not offload (observed by a memory budget's plan)
+_LAYER_KEPT = ("layer_kept", "the policy keeps its layer")
 
 
 @dataclass(frozen=True)
@@ -138,32 +65,6 @@ class EndOfForward:
     host_in_use_bytes: int
     device_bytes: int | None
     released_bytes: int
-
-
-class StepRecord:
-    """A step as it ends, cheap to make; :class:`StepRecorder` builds its report.
-
-    Attributes:
-        forward_pass: the index of its forward pass.
-        layers: per layer (or chunk), its counts, or None where no hooks saw it.
-        end_of_forward: what was measured at the end of its forward, if it ended.
-        device_peak_bytes: the device's peak allocation when the step ended.
-        recomputed: the layers whose checkpoint recomputed in the step's backward.
-    """
-
-    __slots__ = ("forward_pass", "layers", "end_of_forward", "device_peak_bytes", "recomputed")
-
-    def __init__(
-        self,
-        forward_pass: int,
-        layers: list[CountsSource | None],
-        end_of_forward: Measured | None = None,
-    ) -> None:
-        self.forward_pass = forward_pass
-        self.layers = layers
-        self.end_of_forward = end_of_forward
-        self.device_peak_bytes: int | None = None
-        self.recomputed: frozenset[int] | set[int] = frozenset()
 
 
 @dataclass
@@ -199,7 +100,7 @@ class LayerRow:
     note: str = ""
 
 
-def _row(index: int, choice: str, counts: SaveCounts, chunked: bool) -> LayerRow:
+def _row(index: int, choice: str, counts: SaveCounts) -> LayerRow:
     row = LayerRow(index, choice, counted=True)
     kept: dict[str, list[int]] = {}
     for nbytes in counts.kept_fast:
@@ -221,7 +122,9 @@ def _row(index: int, choice: str, counts: SaveCounts, chunked: bool) -> LayerRow
         if reason not in kept:
             continue
         tensors, nbytes = kept[reason]
-        words = _LAST_CHUNK[1] if chunked and reason == NOT_COPIED else REASONS[reason][1]
+        words = REASONS[reason][1]
+        if reason == NOT_COPIED and choice not in ("offload", "checkpoint+offload", "manual"):
+            words = (_LAST_CHUNK if choice == "chunk" else _LAYER_KEPT)[1]
         row.kept_because[words] = (tensors, nbytes)
         row.kept_tensors += tensors
         row.kept_bytes += nbytes
@@ -235,19 +138,10 @@ def _row(index: int, choice: str, counts: SaveCounts, chunked: bool) -> LayerRow
 
 def _key(words: str) -> str:
     """The logger key of a reason given in words."""
-    for key, said in (*REASONS.values(), _LAST_CHUNK):
+    for key, said in (*REASONS.values(), _LAST_CHUNK, _LAYER_KEPT):
         if said == words:
             return key
     return words.replace(" ", "_")  # pragma: no cover - every reason is listed
-
-
-def nominal_bytes(tensor: Any) -> int:
-    """Elements times element size: what the report counts a saved tensor as (a sparse
-    or nested tensor's nominal size), 0 for a tensor that cannot say."""
-    try:
-        return int(tensor.numel()) * int(tensor.itemsize)
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return 0
 
 
 def mib(nbytes: float) -> str:
@@ -469,6 +363,10 @@ class StepRecorder:
         """A checkpoint recomputed ``layers`` (one module at each) in the backward under way."""
         self._recomputed.update(layers)
 
+    def last_choices(self) -> list[str] | None:
+        """The policy the last step ran under, where it changes between steps."""
+        return self._last.choices if self._last is not None else None
+
     def publish(self, record: StepRecord) -> None:
         """``record``'s step has ended (NOTE [What a step is])."""
         if self._recomputed:
@@ -498,7 +396,7 @@ class StepRecorder:
             if source is None:
                 row = LayerRow(index, choice, note=(notes or {}).get(index, ""))
             else:
-                row = _row(index, choice, source.save_counts(), unit == "chunk")
+                row = _row(index, choice, source.save_counts())
             if index in checkpointed:
                 row.recomputed = index in record.recomputed
                 said = "recomputed in backward" if row.recomputed else "NOT recomputed"

@@ -24,10 +24,10 @@ from .copy_timer import CopyTimer
 from .errors import OffloadStateError
 from .handles import Lease
 from .host_buffers import HostBufferPool
-from .layer_data import LayerData
+from .layer_data import LayerData, count_moves, pushed_bytes
 from .profiler_ranges import in_range
 from .stats import OffloadStats
-from .step_report import SaveCounts
+from .step_record import SaveCounts
 
 __all__ = ["TRANSITIONS", "LayerState", "LayerTransitions", "Transition"]
 
@@ -139,7 +139,7 @@ class LayerTransitions:
             data.aliases = {}  # no more pushes: only the lists hold the tensors now
             if data.pushed:
                 in_range("offload", self.name, data.copy_out, self)
-                data.count_moves(self.saves)
+                count_moves(data, self.saves)
 
     def release_activation_forward_gpu_memory(self) -> None:
         """Drop the device copies once the offload has read them."""
@@ -220,7 +220,7 @@ class LayerTransitions:
         if data is not None:
             if not data.host and data.pushed:  # pushed to move, never copied
                 self.saves.not_copied += len(data.pushed)
-                self.saves.not_copied_bytes += data.pushed_bytes()
+                self.saves.not_copied_bytes += pushed_bytes(data)
             in_range("release_all", self.name, data.release, self)
 
     # -------------------------------------------------------------- queries
@@ -239,7 +239,7 @@ class LayerTransitions:
         data = self._data
         if data is None or data.host or not data.pushed:
             return self.saves
-        return self.saves.with_not_copied(len(data.pushed), data.pushed_bytes())
+        return self.saves.with_not_copied(len(data.pushed), pushed_bytes(data))
 
     def holds_data(self) -> bool:
         """Whether a push cycle's data is alive: handles autograd may still unpack, or
