@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
+from report_truth import Spy, assert_row_matches, reason_of
 from torch import nn
 
 from cpu_offload import get_cpu_offload_context, mark_not_offload, offload_layers
@@ -22,57 +23,10 @@ from cpu_offload.chunked import ChunkedOffload
 from cpu_offload.handles import is_moved_handle
 from cpu_offload.integrations.torchtune import OffloadActivations
 from cpu_offload.layer_state import OffloadableLayerState
-from cpu_offload.selection import PARAMETER, kept_because
 from cpu_offload.step_report import REASONS
 
 #: the tests that copy run on every stream flavour (host, simulator, simulated runtimes)
 streams = pytest.mark.usefixtures("streams")
-
-
-def reason_of(tensor: torch.Tensor, device: torch.device, numel: int, nbytes: int) -> str | None:
-    """Why the offloader keeps ``tensor`` (None: it moves), as the push path decides."""
-    if type(tensor) is nn.Parameter:
-        return PARAMETER
-    return kept_because(tensor, device, numel, nbytes)
-
-
-class Spy:
-    """Per layer (its index), ``(bytes, reason)`` of each tensor the pack hook got."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, min_numel: int, min_bytes: int = 0):
-        self.saved: dict[int, list[tuple[int, str | None]]] = defaultdict(list)
-        original = OffloadableLayerState.push_tensor
-        spy = self
-
-        def push(state: OffloadableLayerState, tensor: Any) -> Any:
-            handle = original(state, tensor)
-            why = reason_of(tensor, state.backend.device, min_numel, min_bytes)
-            spy.saved[state.layer_index].append((tensor.numel() * tensor.itemsize, why))
-            return handle
-
-        monkeypatch.setattr(OffloadableLayerState, "push_tensor", push)
-
-    def clear(self) -> None:
-        self.saved.clear()
-
-    def kept(self, layer: int) -> dict[str, tuple[int, int]]:
-        found: dict[str, list[int]] = {}
-        for nbytes, why in self.saved[layer]:
-            if why is not None:
-                entry = found.setdefault(REASONS[why][1], [0, 0])
-                entry[0] += 1
-                entry[1] += nbytes
-        return {reason: (t, b) for reason, (t, b) in found.items()}
-
-
-def assert_row_matches(row: Any, spy: Spy) -> None:
-    saved = spy.saved[row.index]
-    moved = [nbytes for nbytes, why in saved if why is None]
-    assert (row.saved_tensors, row.saved_bytes) == (len(saved), sum(n for n, _ in saved))
-    assert (row.moved_tensors, row.moved_bytes) == (len(moved), sum(moved))
-    assert row.kept_because == spy.kept(row.index)
-    assert row.moved_tensors + row.kept_tensors == row.saved_tensors
-    assert row.moved_bytes + row.kept_bytes == row.saved_bytes
 
 
 class Mixed(nn.Module):
@@ -149,7 +103,9 @@ def test_the_context_api_reports_what_the_hooks_got(monkeypatch):
     assert scalars["copied_bytes"] == stats.bytes_offloaded - before[0]
     assert scalars["reloaded_bytes"] == stats.bytes_reloaded - before[1]
     assert f"moved {scalars['moved_tensors']} tensors (" in str(report)
-    assert "parameter: 2, under the threshold: 1, marked not to offload: 1, not dense" in str(report)
+    assert "parameter: 2, under the threshold: 1, marked not to offload: 1, not dense" in str(
+        report
+    )
 
 
 @streams
