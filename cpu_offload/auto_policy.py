@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from .bench.measure import measure_ceiling
 from .checkpointing import Checkpointing, checkpoint_forward
 from .layer_context import OffloadContext
+from .log import logger
 from .measured_step import MeasuredLayer, rescaled
 from .memory_budget import AUTO, REPLAN_MARGIN, auto_budget, free_device_memory, parse_memory_budget
 from .plan.policy_plan import PolicyPlan, size
@@ -80,8 +81,9 @@ OPTIONS = (
 
 
 def announce(line: str) -> None:
-    """Say what was chosen, in one line."""
+    """Say what was chosen, in one line (printed, and logged at ``INFO``)."""
     print(line, flush=True)
+    logger.info("%s", line)
 
 
 def _link(value: object, api: str) -> tuple[float, float] | None:

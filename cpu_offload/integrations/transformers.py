@@ -94,9 +94,14 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
         logs.update(scalars)
 
     def __repr__(self) -> str:
+        chosen = (
+            f"memory_budget={self.memory_budget!r}"
+            if self.memory_budget is not None
+            else repr(self.num_offloaded_layers)
+        )
         options = "".join(f", {name}={value!r}" for name, value in self.options.items())
         where = f"training: {self.handle!r}" if self.handle is not None else "not training"
-        return f"OffloadCallback({self.num_offloaded_layers!r}{options}; {where})"
+        return f"OffloadCallback({chosen}{options}; {where})"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
