@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from .bench.measure import measure_ceiling
 from .checkpointing import Checkpointing, checkpoint_forward
 from .layer_context import OffloadContext
+from .log import logger
 from .measured_step import MeasuredLayer, rescaled
 from .memory_budget import AUTO, REPLAN_MARGIN, auto_budget, free_device_memory, parse_memory_budget
 from .plan.policy_plan import PolicyPlan, size
@@ -80,8 +81,9 @@ OPTIONS = (
 
 
 def announce(line: str) -> None:
-    """Say what was chosen, in one line."""
+    """Say what was chosen, in one line (printed, and logged at ``INFO``)."""
     print(line, flush=True)
+    logger.info("%s", line)
 
 
 def _link(value: object, api: str) -> tuple[float, float] | None:
@@ -178,9 +180,16 @@ class AutoPolicy:
             self._hooks.append(module.register_forward_pre_hook(hook))
             if not self.hazards[position]:
                 wanted = functools.partial(self._checkpoints, key)
+                at = [j for j, m in enumerate(layers) if m is module]
+                noted = functools.partial(self.synchronizer.recorder.note_recompute, *at)
                 self._checkpointing.append(
-                    checkpoint_forward(module, wanted, position, self._warned)
+                    checkpoint_forward(module, wanted, position, self._warned, noted)
                 )
+
+    @property
+    def policy(self) -> list[str] | None:
+        """The plan's policy in force; None while the first step is measured."""
+        return list(self.plan.policy) if self.plan is not None else None
 
     def _checkpoints(self, module: int) -> bool:
         return module in self._planned and self.enabled()

@@ -17,11 +17,12 @@ NOTE [Pushing saved-tensor hooks]
 from __future__ import annotations
 
 import contextvars
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .log import warn
 
 __all__ = [
     "ActiveToken",
@@ -71,7 +72,7 @@ def saved_tensor_hooks_enabled() -> bool:
         return True
     if "hooks disabled" not in _warned:
         _warned.add("hooks disabled")
-        warnings.warn(
+        warn(
             "cpu_offload: saved-tensor hooks are disabled here (torch.func transforms such "
             "as torch.func.grad disable them), so these layers run without offloading. "
             "This warning is shown once.",

@@ -19,7 +19,6 @@ import copy
 import functools
 import inspect
 import types
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .errors import CpuOffloadError
+from .log import warn
 
 __all__ = ["CACHE_ARGUMENTS", "CheckpointedForward", "Checkpointing", "checkpoint_forward"]
 
@@ -77,6 +77,8 @@ class Checkpointing:
         enabled: while it says False, this request does not checkpoint.
         position: the module's (first) position in the handle's layers, for messages.
         warned: what the handle has warned about already (shared by its requests).
+        on_recompute: called each time a checkpoint this request made recomputes the
+            module in backward (the handle's step report), or None.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Checkpointing:
         self.enabled = enabled
         self.position = position
         self.warned = warned
+        self.on_recompute: Callable[[], None] | None = None
 
     def remove(self) -> None:
         self.wrapper.release(self)
@@ -99,7 +102,7 @@ class Checkpointing:
         if "cache" in self.warned:
             return
         self.warned.add("cache")
-        warnings.warn(
+        warn(
             f"cpu_offload: offload_layers checkpoints layer {self.position} "
             f"({type(module).__name__}), which was called with {_listed(dropped)}. "
             "Its recompute in backward would append to the cache a second time, so "
@@ -157,7 +160,10 @@ class CheckpointedForward:
         # The layer's keyword arguments are bound here, not passed through checkpoint's
         # own keywords (debug, use_reentrant, ...): NOTE [Checkpoint inside the offload
         # context].
-        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
+        function: Callable[..., Any] = functools.partial(forward, **kwargs)
+        if request.on_recompute is not None:
+            function = _SaysWhenRecomputed(function, request.on_recompute)
+        return checkpoint(function, *args, use_reentrant=False)
 
     def _without_cache(
         self,
@@ -277,6 +283,24 @@ class _StateWithoutWrapper:
         return state
 
 
+class _SaysWhenRecomputed:
+    """The function a checkpoint runs: its first call is the forward, every later one a
+    recompute in backward, which it reports."""
+
+    __slots__ = ("function", "on_recompute", "calls")
+
+    def __init__(self, function: Callable[..., Any], on_recompute: Callable[[], None]) -> None:
+        self.function = function
+        self.on_recompute = on_recompute
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            self.on_recompute()
+        return self.function(*args)
+
+
 def _listed(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
@@ -290,9 +314,14 @@ def _same(value: Any) -> Any:
 
 
 def checkpoint_forward(
-    module: nn.Module, enabled: Callable[[], bool], position: int, warned: set[str]
+    module: nn.Module,
+    enabled: Callable[[], bool],
+    position: int,
+    warned: set[str],
+    on_recompute: Callable[[], None] | None = None,
 ) -> Checkpointing:
-    """Checkpoint ``module``'s forward until the returned request is removed.
+    """Checkpoint ``module``'s forward until the returned request is removed;
+    ``on_recompute()`` is called at each recompute in backward.
 
     A module already wrapped (by another handle) is not wrapped twice: the request
     joins its wrapper.
@@ -300,5 +329,6 @@ def checkpoint_forward(
     current = module.__dict__.get("forward")
     wrapper = current if isinstance(current, CheckpointedForward) else CheckpointedForward(module)
     request = Checkpointing(wrapper, enabled, position, warned)
+    request.on_recompute = on_recompute
     wrapper.requests.append(request)
     return request

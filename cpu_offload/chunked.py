@@ -44,8 +44,6 @@ NOTE [A tensor saved in several chunks]
 
 from __future__ import annotations
 
-import threading
-import warnings
 import weakref
 from typing import Any
 
@@ -60,13 +58,16 @@ from .autograd_hooks import (
     push_saved_tensor_hooks,
     saved_tensor_hooks_enabled,
 )
+from .chunk_engine import ChunkedForward, ChunkEngine
 from .eager import eager
-from .engine import OffloadEngine
 from .errors import CpuOffloadError
 from .handles import SharedHandle, unpack_saved
 from .layer_state import OffloadableLayerState
+from .log import logger, warn
 from .per_thread import PerThread
 from .selection import is_offloadable
+from .step_record import nominal_bytes
+from .step_report import StepReport
 from .transitions import LayerState
 
 __all__ = ["CHUNK_FRACTION", "MAX_CHUNK_BYTES", "ChunkedForward", "ChunkedOffload", "ChunkEngine"]
@@ -77,68 +78,6 @@ CHUNK_FRACTION = 1 / 8
 MAX_CHUNK_BYTES = 64 * 2**20
 
 _Tensor = torch.Tensor
-
-
-class ChunkedForward:
-    """One forward run under a :class:`ChunkedOffload`: its chunks, held weakly (the
-    graph owns the chunks, and each chunk holds its forward as ``owner``)."""
-
-    __slots__ = ("index", "_chunks", "__weakref__")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self._chunks: list[weakref.ref[OffloadableLayerState]] = []
-
-    @property
-    def chunks(self) -> list[OffloadableLayerState]:
-        """The chunks whose saved tensors autograd may still unpack."""
-        return [chunk for ref in self._chunks if (chunk := ref()) is not None]
-
-    def get_offloaded_total_size_mb(self) -> float:
-        """MiB of this forward's data that sits in host memory now."""
-        return sum(chunk.get_offloaded_total_size_mb() for chunk in self.chunks)
-
-    def __repr__(self) -> str:
-        return f"ChunkedForward(index={self.index}, chunks={len(self._chunks)})"
-
-
-class ChunkEngine(OffloadEngine):
-    """The engine of a :class:`ChunkedOffload`: stream, host buffer pool, statistics,
-    and the forwards whose graphs are alive."""
-
-    reload_advice = None  # a chunk backward reaches out of order reloads silently
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._forwards: list[weakref.ref[ChunkedForward]] = []
-        self._lock = threading.Lock()
-        #: warn (once) when a forward moved nothing
-        self.warn_if_nothing_moved = True
-
-    def new_forward(self) -> ChunkedForward:
-        with self._lock:
-            forward = ChunkedForward(self.stats.forward_passes)
-            self.stats.forward_passes += 1
-            self._forwards = [ref for ref in self._forwards if ref() is not None]
-            self._forwards.append(weakref.ref(forward))
-        return forward
-
-    def new_chunk(self, forward: ChunkedForward) -> OffloadableLayerState:
-        """The next chunk of ``forward``."""
-        number = len(forward._chunks)
-        chunk = self.new_layer_state(number, f"chunk {number} of forward pass {forward.index}")
-        chunk.owner = forward
-        forward._chunks.append(weakref.ref(chunk))
-        return chunk
-
-    def in_flight_passes(self) -> list[ChunkedForward]:
-        """Forwards whose graphs are alive (some chunk's saved tensors may still be
-        unpacked), oldest first."""
-        return [forward for ref in self._forwards if (forward := ref()) is not None]
-
-    def get_offloaded_total_size_mb(self) -> float:
-        """MiB of offloaded data in host memory now, over all forwards in flight."""
-        return sum(forward.get_offloaded_total_size_mb() for forward in self.in_flight_passes())
 
 
 class _Forward:
@@ -178,6 +117,27 @@ def _prefetch(state: OffloadableLayerState) -> None:
     """Backward reached the chunk after ``state``: bring ``state`` back."""
     if state.state is LayerState.OFFLOAD_FINISHED:
         state.start_reload()
+
+
+def _checked_chunk_bytes(chunk_bytes: object) -> int | None:
+    if chunk_bytes is not None and (
+        isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1
+    ):
+        raise ValueError(
+            f"cpu_offload: chunk_bytes must be an int >= 1, or None (chunks that grow "
+            f"with the forward), got {chunk_bytes!r}."
+        )
+    return chunk_bytes
+
+
+def _chunks(chunk_bytes: int | None) -> str:
+    """How a repr says the chunks."""
+    if chunk_bytes is not None:
+        return f"chunks of {chunk_bytes} bytes"
+    return (
+        f"chunks growing with the forward to 1/{round(1 / CHUNK_FRACTION)} of it (at most "
+        f"{MAX_CHUNK_BYTES // 2**20} MiB)"
+    )
 
 
 class ChunkedOffload:
@@ -222,14 +182,7 @@ class ChunkedOffload:
         max_host_bytes: int | None = None,
         retain_pinned_cpu_buffers: bool = False,
     ) -> None:
-        if chunk_bytes is not None and (
-            isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1
-        ):
-            raise ValueError(
-                f"cpu_offload: chunk_bytes must be an int >= 1, or None (chunks that grow "
-                f"with the forward), got {chunk_bytes!r}."
-            )
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = _checked_chunk_bytes(chunk_bytes)
         self.offload_synchronizer = ChunkEngine(
             retain_pinned_cpu_buffers,
             device=device,
@@ -238,6 +191,19 @@ class ChunkedOffload:
             max_host_bytes=max_host_bytes,
         )
         self._forward = PerThread(_Forward)
+        logger.info("%r", self)
+
+    def report(self) -> StepReport:
+        """What the last step did, per chunk: the tensors saved, moved and kept (and why),
+        host and device memory (NOTE [What a step is] in step_report.py)."""
+        return self.offload_synchronizer.report()
+
+    def __repr__(self) -> str:
+        engine = self.offload_synchronizer
+        return (
+            f"{type(self).__name__}(whole forward in {_chunks(self.chunk_bytes)}, the last "
+            f"kept; {engine.thresholds(self.bytes_threshold_name)}; device {engine.backend.device})"
+        )
 
     # ------------------------------------------------------------- context
 
@@ -276,6 +242,8 @@ class ChunkedOffload:
                 run.copying.release_activation_forward_gpu_memory()
             self._move_a_large_last_chunk(run)
             self._warn_if_nothing_moved(run)
+        if run.record is not None and run.saved:  # a step: reported when its graph goes
+            self.offload_synchronizer.end_forward(run.record)
         # (after an exception the partial graph owns the chunks, and frees them with it)
         run.hooks = False
         run.depth_token = run.chunk = run.copying = run.record = None
@@ -298,6 +266,8 @@ class ChunkedOffload:
                 lease = entry[1]
                 if lease.layer is chunk:
                     return chunk.push_tensor(tensor)
+                chunk.saves.moved += 1  # its data went with the earlier chunk's
+                chunk.saves.moved_bytes += nominal_bytes(tensor)
                 return SharedHandle(lease, entry[2])
         if self._full(run) and self._moves(tensor):
             chunk = self._close_chunk()  # a full chunk closes at the next tensor that moves
@@ -414,7 +384,7 @@ class ChunkedOffload:
                 f"on {engine.backend.device}"
                 + (". Lower the threshold to move smaller tensors." if limits else ".")
             )
-        warnings.warn(
+        warn(
             f"cpu_offload: {name} moved nothing to the host in a forward: {why} This "
             "warning is shown once.",
             UserWarning,

@@ -7,13 +7,13 @@ the context each layer runs in (``layer_context.py``) with its sync function.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import torch
 
 from .layer_context import OffloadContext
+from .log import logger, warn
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .synchronizer import (
     DefaultOffloadSynchronizer,
@@ -47,7 +47,7 @@ def _validate(
             "offload_activations=True, or enabled=False."
         )
     if offload_weights:
-        warnings.warn(
+        warn(
             "cpu_offload: offload_weights=True is deprecated and has no effect; only "
             "activations are offloaded"
             + ("." if offload_activations else ", and offload_activations=False: nothing is."),
@@ -61,7 +61,7 @@ def _validate(
         )
     if not manual_synchronization and isinstance(num_layers, int) and isinstance(model_layers, int):
         if model_layers > 1 and num_layers == model_layers - 1:
-            warnings.warn(
+            warn(
                 "cpu_offload: num_layers == model_layers - 1 offloads every layer but the last; "
                 "copies cannot overlap with compute, so expect a slowdown. Offload fewer "
                 "layers to hide the copies.",
@@ -245,6 +245,7 @@ def get_cpu_offload_context(
             max_host_bytes=max_host_bytes,
         )
         manual = OffloadContext(controller)
+        logger.info("get_cpu_offload_context: %r", manual)
         return manual, manual.sync_fn, controller
     synchronizer = DefaultOffloadSynchronizer(
         model_layers,
@@ -257,4 +258,5 @@ def get_cpu_offload_context(
         offloaded_layers=offloaded_layers,
     )
     context = OffloadContext(synchronizer)
+    logger.info("get_cpu_offload_context: %r", context)
     return context, context.sync_fn

@@ -29,21 +29,29 @@ F = TypeVar("F", bound=Callable)
 #: ``start_offload`` called in a compiled function is traced, and does nothing there)
 _HOOK_MODULES = (
     "cpu_offload.backward_hook",
+    "cpu_offload.chunk_engine",
     "cpu_offload.chunked",
     "cpu_offload.copy_timer",
     "cpu_offload.device",
+    "cpu_offload.engine",
     "cpu_offload.forward_pass",
     "cpu_offload.host_buffers",
+    "cpu_offload.layer_data",
     "cpu_offload.layer_state",
+    "cpu_offload.log",
     "cpu_offload.marks",
     "cpu_offload.measured_step",
     "cpu_offload.per_thread",
     "cpu_offload.planned_synchronizer",
+    "cpu_offload.profiler_ranges",
     "cpu_offload.selection",
     "cpu_offload.selective_checkpoint",
     "cpu_offload.stats",
+    "cpu_offload.step_record",
+    "cpu_offload.step_report",
     "cpu_offload.synchronizer",
     "cpu_offload.tensor_group",
+    "cpu_offload.transitions",
 )
 
 

@@ -10,6 +10,7 @@ of one forward cut by bytes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from .host_buffers import HostBufferPool
 from .layer_state import OffloadableLayerState
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .stats import OffloadStats
+from .step_record import Measured, StepRecord
+from .step_report import StepRecorder, StepReport, layer_ranges
 
 __all__ = ["OffloadEngine", "check_count"]
 
@@ -48,10 +51,16 @@ class OffloadEngine:
 
     Attributes:
         backend: the device backend.
-        stats: what the context's layer states moved (:class:`OffloadStats`).
+        stats: what the context's layer states moved (:class:`OffloadStats`), running totals.
+        recorder: the last completed step, for :meth:`report`.
         host_buffers: the host buffer pool.
         copy_timer: set by benchmarks to time the copies.
     """
+
+    #: layers per forward pass, and which of them a schedule offloads (None: a manual
+    #: controller decides); set by the synchronizers, named in reports
+    model_layers = 0
+    offloaded_layers: list[int] | None = None
 
     #: what a layer reloaded on demand in its first backward tells the user to do (None:
     #: such a reload is expected, and silent)
@@ -89,6 +98,7 @@ class OffloadEngine:
         self.backend: DeviceBackend = get_backend(device)
         self._offload_stream = offload_stream  # created at first use (see below)
         self.stats = OffloadStats()
+        self.recorder = StepRecorder()
         self.host_buffers = HostBufferPool(
             self.backend, retain_pinned_cpu_buffers, max_host_bytes, self.stats
         )
@@ -129,3 +139,64 @@ class OffloadEngine:
         ``num_host_free``.  ``host_buffers.empty_cache()`` frees the cached part.
         """
         return self.host_buffers.stats()
+
+    # ------------------------------------------------------------ reports
+
+    def thresholds(self, bytes_name: str = "min_offload_bytes") -> str:
+        """The thresholds that decide which saved tensors move, as reprs say them."""
+        return (
+            f"min_offload_numel={self.min_offload_numel}, {bytes_name}="
+            f"{self.min_offload_bytes}, max_host_bytes={self.host_buffers.max_bytes}"
+        )
+
+    def describe(self) -> str:
+        """The layers, the schedule and the thresholds, as the contexts' reprs say them."""
+        offloaded = self.offloaded_layers
+        if offloaded is None:
+            schedule = "a manual controller offloads"
+        elif offloaded:
+            schedule = f"offload layers {layer_ranges(offloaded)} (k={len(offloaded)})"
+        else:
+            schedule = "offload none (k=0)"
+        return (
+            f"{self.model_layers} layers per forward pass, {schedule}; {self.thresholds()}; "
+            f"device {self.backend.device}"
+        )
+
+    def measure_end_of_forward(self) -> Measured:
+        """Host and device memory now, at the end of a forward pass (for its report)."""
+        return (*self.host_buffers.usage(), self.backend.memory_allocated())
+
+    def end_step(self, record: StepRecord) -> None:
+        """A step has ended (NOTE [What a step is] in step_report.py)."""
+        record.device_peak_bytes = self.backend.max_memory_allocated()
+        self.recorder.publish(record)
+
+    def report(self, policy: Sequence[str] | None = None) -> StepReport:
+        """What the last completed step did (NOTE [What a step is] in step_report.py).
+
+        Per layer: the tensors its forward saved, moved to the host and kept on the
+        device, with why each kept tensor stayed; the host pool's memory and the
+        device's at the end of the forward.  ``print()`` it for a table, ``to_dict()``
+        for loggers.
+
+        Args:
+            policy: what each layer is (``offload_layers``' policy); by default
+                ``offload`` where the schedule offloads, else ``keep`` (``manual``
+                under a manual controller).
+        """
+        layers = self.model_layers
+        policy = self.recorder.last_choices() or policy
+        if policy is None:
+            offloaded = self.offloaded_layers
+            policy = [
+                "manual" if offloaded is None else ("offload" if i in offloaded else "keep")
+                for i in range(layers)
+            ]
+        notes = {
+            i: "the last layer: never offloaded" if i == layers - 1 else "not offloaded"
+            for i, choice in enumerate(policy)
+            if choice in ("keep", "checkpoint", "measured")
+        }
+        checkpointed = [i for i, choice in enumerate(policy) if choice.startswith("checkpoint")]
+        return self.recorder.report(str(self.backend.device), "layer", policy, notes, checkpointed)

@@ -10,6 +10,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .layer_state import OffloadableLayerState
+from .step_record import Measured, StepRecord
 
 __all__ = ["ForwardPass", "GraphToken"]
 
@@ -64,6 +65,10 @@ class ForwardPass:
         self._token: weakref.ref[GraphToken] | None = None
         #: a layer of the pass is inside the offload context now (entered, not left)
         self.layer_open = False
+        #: memory when the forward ended, and the policy it ran under where that changes
+        #: between steps (for the step report)
+        self.end_of_forward: Measured | None = None
+        self.choices: list[str] | None = None
 
     def state(self, layer: int) -> OffloadableLayerState:
         """The state of ``layer``, made when first asked for: a layer that is not
@@ -77,6 +82,12 @@ class ForwardPass:
     def made_state(self, layer: int) -> OffloadableLayerState | None:
         """The state of ``layer`` if it was made (else nothing was ever pushed to it)."""
         return self._states[layer]
+
+    def step_record(self) -> StepRecord:
+        """The pass as a step that ended, for the step report."""
+        record = StepRecord(self.index, list(self._states), self.end_of_forward)
+        record.choices = self.choices
+        return record
 
     @property
     def layer_states(self) -> list[OffloadableLayerState]:

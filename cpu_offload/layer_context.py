@@ -8,7 +8,6 @@ schedule when backward reaches the layer (``backward_hook.py``).
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +29,9 @@ from .backward_hook import BackwardHook
 from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
 from .handles import unpack_saved
+from .log import warn
 from .per_thread import PerThread
+from .step_report import StepReport
 from .synchronizer import OffloadSynchronizer
 
 __all__ = ["OffloadContext"]
@@ -84,6 +85,13 @@ class OffloadContext:
         #: it off where Megatron would assert that TransformerEngine is installed)
         self.report_inside_context = True
         self._warned_layer_count = False
+
+    def __repr__(self) -> str:
+        return f"OffloadContext({self.offload_synchronizer.describe()})"
+
+    def report(self) -> StepReport:
+        """What the last step did (``offload_synchronizer.report()``)."""
+        return self.offload_synchronizer.report()
 
     @property
     def active(self) -> bool:
@@ -238,7 +246,7 @@ class OffloadContext:
         if first is not None and first.holds_storage(output.cdata):
             self._warned_layer_count = True
             synchronizer = self.offload_synchronizer
-            warnings.warn(
+            warn(
                 f"cpu_offload: more layers ran under the context than model_layers="
                 f"{synchronizer.model_layers}: the output of layer "
                 f"{synchronizer.model_layers - 1} "

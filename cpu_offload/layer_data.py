@@ -39,9 +39,17 @@ from .copy_timer import CopyTimer
 from .handles import Lease
 from .host_buffers import HostBufferPool
 from .stats import OffloadStats
+from .step_record import SaveCounts
 from .tensor_group import GroupLayout, TensorGroup, TensorGroupProcessor
 
-__all__ = ["NOT_WAITED", "CopyingLayer", "LayerData", "version_keeper"]
+__all__ = [
+    "NOT_WAITED",
+    "CopyingLayer",
+    "LayerData",
+    "count_moves",
+    "pushed_bytes",
+    "version_keeper",
+]
 
 #: ``LayerData.reload_waited_on`` before any stream waited for the reload
 NOT_WAITED = object()
@@ -337,3 +345,28 @@ class LayerData:
         """The cycle is over: wait for copies in flight, give the host buffers back."""
         self.wait_for_copies(layer)
         layer.host_buffers.release(layer.layer_index, self.host)
+
+
+def pushed_bytes(data: LayerData) -> int:
+    """Bytes of the tensors ``data`` pushed (a view's own, a tensor pushed twice twice)."""
+    return sum(t.numel() * t.itemsize for t in data.pushed)
+
+
+def count_moves(data: LayerData, saves: SaveCounts) -> None:
+    """Count, after :meth:`LayerData.copy_out`, the pushed tensors that moved and those the
+    host cap kept (NOTE [Counting saved tensors for nearly nothing] in step_record.py)."""
+    saves.copied_bytes += data.host_bytes
+    pushed = data.pushed
+    if not data.grouped and not data.stay:  # each pushed tensor copied as it is
+        saves.moved += len(pushed)
+        saves.moved_bytes += data.host_bytes
+        return
+    sources = data.layout.source_index if data.layout is not None else range(len(pushed))
+    for tensor, source in zip(pushed, sources):
+        nbytes = tensor.numel() * tensor.itemsize
+        if data.host[source] is None:
+            saves.capped += 1
+            saves.capped_bytes += nbytes
+        else:
+            saves.moved += 1
+            saves.moved_bytes += nbytes

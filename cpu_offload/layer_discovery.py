@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LAYER_PATHS", "find_layers", "primary_tensor"]
+__all__ = ["LAYER_PATHS", "find_layers", "locate_layers", "primary_tensor"]
 
 
 def primary_tensor(output: Any) -> torch.Tensor | None:
@@ -52,15 +52,16 @@ LAYER_PATHS = (
 _WRAPPERS = ("base_model", "module", "_orig_mod", "model")
 
 
-def _candidates(model: nn.Module, depth: int = 4) -> list[nn.Module]:
-    """``model`` and the modules it wraps, outermost first."""
-    found, frontier = [model], [model]
+def _candidates(model: nn.Module, depth: int = 4) -> list[tuple[str, nn.Module]]:
+    """``model`` and the modules it wraps, outermost first, with their attribute paths."""
+    found, frontier = [("", model)], [("", model)]
     for _ in range(depth):
         frontier = [
-            inner
-            for module in frontier
+            (f"{path}{name}.", inner)
+            for path, module in frontier
             for name in _WRAPPERS
-            if isinstance(inner := getattr(module, name, None), nn.Module) and inner not in found
+            if isinstance(inner := getattr(module, name, None), nn.Module)
+            and all(inner is not known for _, known in found)
         ]
         found.extend(frontier)
     return found
@@ -84,18 +85,24 @@ def find_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     Raises:
         ValueError: no layer list was found; the message names what was looked for.
     """
+    return locate_layers(model)[0]
+
+
+def locate_layers(model: nn.Module | Sequence[nn.Module]) -> tuple[list[nn.Module], str]:
+    """:func:`find_layers`, and where they were found: an attribute path of ``model``
+    (``"model.layers"``), or ``"the list given"``."""
     if isinstance(model, (nn.ModuleList, nn.Sequential, list, tuple)):
-        return list(model)
+        return list(model), "the list given"
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"offload_layers: expected a model (nn.Module) or a list of layers, got "
             f"{type(model).__name__}."
         )
-    for candidate in _candidates(model):
+    for prefix, candidate in _candidates(model):
         for path in LAYER_PATHS:
             layers = _lookup(candidate, path)
             if isinstance(layers, (nn.ModuleList, nn.Sequential)) and len(layers) > 0:
-                return list(layers)
+                return list(layers), prefix + path
     raise ValueError(
         f"offload_layers: could not find the decoder layers of {type(model).__name__}: "
         f"looked for a ModuleList at {', '.join(LAYER_PATHS)} (also inside base_model, "

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -17,31 +17,20 @@ from .autograd_hooks import checkpoint_forward_active, forward_inside_backward
 from .checkpointing import checkpoint_forward
 from .context import get_cpu_offload_context
 from .errors import CpuOffloadError
+from .handle_summary import found_layers, schedule_of
 from .layer_context import OffloadContext
-from .layer_discovery import find_layers, primary_tensor
+from .layer_discovery import locate_layers, primary_tensor
+from .log import logger, warn
 from .marking import mark_not_offload
 from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
-from .schedule import max_offloaded
+from .schedule import max_offloaded, resolve_count
+from .step_report import StepReport
 
 if TYPE_CHECKING:
     from .auto_policy import AutoPolicy
     from .plan.policy_plan import PolicyPlan
 
 __all__ = ["OffloadLayersHandle", "offload_layers"]
-
-
-def _resolve_count(k: int | float, num_layers: int) -> int:
-    """``k`` layers, or a fraction of ``num_layers`` (rounded down)."""
-    if isinstance(k, bool) or not isinstance(k, (int, float)):
-        raise TypeError(f"offload_layers: k must be an int or a fraction, got {k!r}.")
-    if isinstance(k, float):
-        if not 0.0 <= k < 1.0:
-            raise ValueError(
-                f"offload_layers: a fractional k must be in [0, 1), got {k}; pass an int "
-                f"for a number of layers (at most {num_layers - 1} of {num_layers})."
-            )
-        return int(k * num_layers)
-    return k
 
 
 class _PassThrough:
@@ -131,6 +120,9 @@ class OffloadLayersHandle:
         forwards_seen: the layer forwards the hooks have seen while enabled.
         auto: with ``memory_budget=``, the :class:`~cpu_offload.auto_policy.AutoPolicy`
             that measures, chooses and watches the policy (else None).
+        found: the layers and where (``"4 LlamaDecoderLayer at model.layers"``).
+        policy, k: each layer's choice, and the ``k`` it came from (None: a policy);
+            None under manual synchronization and ``memory_budget=`` (:attr:`plan`).
     """
 
     def __init__(self, context: OffloadContext, sync_fn: Any, controller: Any) -> None:
@@ -140,6 +132,9 @@ class OffloadLayersHandle:
         self.offload_synchronizer = context.offload_synchronizer
         self.enabled = True
         self.forwards_seen = 0
+        self.found = ""
+        self.policy: list[str] | None = None
+        self.k: int | None = None
         self._hooks: list[Any] = []
         self._watchers: list[Any] = []  # gradient hooks waiting for the first forward
         self._warned_checkpoint = False
@@ -151,6 +146,18 @@ class OffloadLayersHandle:
         """With ``memory_budget=``, the policy in force (it prints as a table); None until
         the measuring step is over, and without a budget."""
         return self.auto.plan if self.auto is not None else None
+
+    def report(self) -> StepReport:
+        """The last step (NOTE [What a step is] in step_report.py), per layer: tensors saved,
+        moved and kept (and why), recomputes, memory; ``print()`` it, or ``to_dict()``."""
+        return self.offload_synchronizer.report(self.policy)
+
+    def __repr__(self) -> str:
+        sync, schedule = self.offload_synchronizer, schedule_of(self.policy, self.k, self.auto)
+        return (
+            f"OffloadLayersHandle({self.found}; {schedule}; {sync.thresholds()}; "
+            f"device {sync.backend.device}{'' if self._hooks else '; removed'})"
+        )
 
     def remove(self) -> None:
         """Remove the hooks: the modules behave as before.
@@ -200,7 +207,7 @@ class OffloadLayersHandle:
         def check(param: torch.Tensor) -> None:
             if self.forwards_seen == 0 and self._watchers:
                 self._stop_watching()
-                warnings.warn(
+                warn(
                     "cpu_offload: a backward reached the parameters of the offloaded layers, "
                     "but no forward since offload_layers() went through its hooks, so "
                     "nothing was offloaded. The usual cause is torch.compile: a model (or "
@@ -231,7 +238,7 @@ class OffloadLayersHandle:
                 "offload_layers, so that its hooks go on the checkpoint wrappers and the "
                 "checkpoint's inputs are offloaded."
             )
-        warnings.warn(
+        warn(
             f"cpu_offload: offloaded layer {type(layer).__name__} runs inside activation "
             "checkpointing (torch.utils.checkpoint): only the checkpoint's inputs are saved "
             "for backward, outside the hooks, so this layer offloads nothing. " + advice,
@@ -304,7 +311,7 @@ def offload_layers(
         2
         >>> handle.remove()
     """
-    layers = find_layers(model)
+    layers, where = locate_layers(model)
     manual = bool(options.get("manual_synchronization", False))
     owner = type(model).__name__
     given = [x for x in (num_offloaded_layers, policy, memory_budget) if x is not None]
@@ -350,7 +357,7 @@ def offload_layers(
         checkpointed = checkpointed_modules(layers, chosen, owner)
         count = len(options["offloaded_layers"])
     if policy is None and memory_budget is None:
-        count = _resolve_count(num_offloaded_layers, len(layers))  # type: ignore[arg-type]
+        count = resolve_count(num_offloaded_layers, len(layers))  # type: ignore[arg-type]
         if not manual and not 0 <= count <= max_offloaded(len(layers)):
             raise ValueError(
                 f"offload_layers: k={num_offloaded_layers!r} but {len(layers)} layers were "
@@ -365,6 +372,10 @@ def offload_layers(
     handle = OffloadLayersHandle(context, sync_fn, result[2] if manual else None)
     handle.auto = auto
     synchronizer = context.offload_synchronizer
+    handle.found = found_layers(layers, where, owner)
+    if not manual and auto is None:
+        handle.policy = chosen or ["offload" if i < count else "keep" for i in range(len(layers))]
+        handle.k = None if policy is not None else count
     positions: dict[int, list[int]] = {}  # module id -> its positions in the list
     for position, layer in enumerate(layers):
         positions.setdefault(id(layer), []).append(position)
@@ -422,14 +433,15 @@ def offload_layers(
         handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
     # Inside the hooks: see NOTE [Checkpoint inside the offload context]
     warned: set[str] = set()  # once per handle
-    handle._hooks.extend(
-        checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned)
-        for m in checkpointed
-    )
+    for m in checkpointed:
+        noted = functools.partial(synchronizer.recorder.note_recompute, *positions[id(m)])
+        request = checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned, noted)
+        handle._hooks.append(request)
     if checkpointed:
         warn_checkpoint_hazards(layers, chosen)
     if count > 0 or auto is not None:
         handle._watch_for_missed_forwards(unique)
     if auto is not None:
         auto.attach(lambda: handle.enabled)  # after the hooks above: its pre-hook runs last
+    logger.info("offload_layers: %r", handle)
     return handle

@@ -37,7 +37,6 @@ NOTE [Version counter checks]
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -62,10 +61,19 @@ from .handles import (
 )
 from .host_buffers import HostBufferPool
 from .layer_data import LayerData
+from .log import warn
 from .marks import marks_of
+from .profiler_ranges import in_range
 from .saving_protocol import decompose, has_saving_protocol
-from .selection import DEFAULT_MIN_OFFLOAD_NUMEL, NOT_DENSE, plain_kept_because, warn_not_dense
+from .selection import (
+    DEFAULT_MIN_OFFLOAD_NUMEL,
+    NOT_DENSE,
+    SUBCLASS,
+    plain_kept_because,
+    warn_not_dense,
+)
 from .stats import OffloadStats
+from .step_record import nominal_bytes
 from .tensor_group import offloads_through_base
 from .transitions import LayerState, LayerTransitions
 
@@ -145,19 +153,28 @@ class OffloadableLayerState(LayerTransitions):
 
     @eager
     def push_tensor(self, tensor: Any) -> Any:
-        """Take a tensor autograd saves; return what the pop will need (NOTE [Handles])."""
+        """Take a tensor autograd saves; return what the pop will need (NOTE [Handles]).
+
+        A tensor that stays is counted for the step report where the reason is known
+        (NOTE [Counting saved tensors for nearly nothing] in step_report.py), and its
+        handle is made here rather than by ``kept_handle`` (a call per tensor saved).
+        """
         if self._backward_done:
             self._start_new_cycle()
         if self.state is not _NOT_OFFLOADED:
             self._transition("push_tensor")  # raises
         kind = type(tensor)
         if kind is not _Tensor:
-            return kept_handle(tensor, self) if kind is _Parameter else self._push_other(tensor)
+            if kind is _Parameter:  # a leaf: held as it is
+                self.kept_fast.append(~tensor.nbytes)
+                return (tensor, tensor._version, self)
+            return self._push_other(tensor)
         numel = tensor.numel()
         if numel < self.min_offload_numel:  # the common reason, checked first
+            self.kept_fast.append(numel * tensor.itemsize)
             if self.largest_below_threshold < numel and type(tensor._base) is not _Parameter:
                 self.largest_below_threshold = numel  # (a weight's view is no activation)
-            return kept_handle(tensor, self)
+            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, self)
         marks = marks_of(tensor)
         reason = plain_kept_because(
             tensor, numel, self.backend.device, self.min_offload_bytes, marks
@@ -165,7 +182,8 @@ class OffloadableLayerState(LayerTransitions):
         if reason is not None:
             if reason is NOT_DENSE:
                 warn_not_dense(tensor)
-            return kept_handle(tensor, self)
+            self.saves.kept.append((reason, numel * tensor.itemsize))
+            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, self)
         data = self._data
         if data is None:
             lease = Lease(self)
@@ -209,8 +227,9 @@ class OffloadableLayerState(LayerTransitions):
         """Tensor subclasses, objects saved as their components."""
         if has_saving_protocol(obj):
             return self._push_decomposed(obj)
-        if isinstance(obj, torch.Tensor):
-            return kept_handle(obj, self)  # subclasses stay (see selection.is_offloadable)
+        if isinstance(obj, torch.Tensor):  # subclasses stay (see selection.is_offloadable)
+            self.saves.kept.append((SUBCLASS, nominal_bytes(obj)))
+            return kept_handle(obj, self)
         return verbatim(obj)
 
     def _push_decomposed(self, tensor: Any) -> Any:
@@ -256,7 +275,8 @@ class OffloadableLayerState(LayerTransitions):
         if data.reload_event is not None:
             key = backend.current_stream_key()
             if key != data.reload_waited_on:  # once per layer and stream
-                backend.wait_event(backend.current_stream(), data.reload_event)
+                stream, event = backend.current_stream(), data.reload_event
+                in_range("wait_reload", self.name, backend.wait_event, stream, event)
                 data.reload_waited_on = key
         tensor = data.reloaded[index]
         if backend.checks_handoff:
@@ -279,9 +299,10 @@ class OffloadableLayerState(LayerTransitions):
 
     def _reload_on_demand(self) -> None:
         if not self._backward_done:  # a second backward reloads on demand by design
+            self.saves.on_demand = True
             self.stats.on_demand_reloads += 1
             if self.stats.on_demand_reloads == 1 and self.reload_advice is not None:
-                warnings.warn(
+                warn(
                     f"cpu_offload: {self.name} was needed by backward before its reload was "
                     "scheduled; it is reloaded now, without overlap with compute. "
                     f"{self.reload_advice} This warning is shown once.",

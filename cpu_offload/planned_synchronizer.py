@@ -31,7 +31,10 @@ from .measured_step import (
 from .schedule import check_offloaded_layers, schedule_points
 from .synchronizer import DefaultOffloadSynchronizer
 
-__all__ = ["PlannedOffloadSynchronizer", "StepListener"]
+__all__ = ["MEASURED", "PlannedOffloadSynchronizer", "StepListener"]
+
+#: what the step report calls a layer of the measured first step (it runs as the model does)
+MEASURED = "measured"
 
 
 class StepListener(Protocol):
@@ -46,6 +49,10 @@ class StepListener(Protocol):
     def first_layer(self, layer: MeasuredLayer) -> bool:
         """Layer 0 of a planned pass ended; True: measure the rest of the pass again."""
         return False
+
+    @property
+    def policy(self) -> list[str] | None:
+        """The plan's policy in force; None while the first step is measured."""
 
 
 class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
@@ -120,6 +127,8 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
         self.listener.step_starts()
         self._inputs = {}
         forward_pass = super()._new_pass()
+        policy = self.listener.policy  # for the step report: the plan may change
+        forward_pass.choices = policy or [MEASURED] * self.model_layers
         if self.measure_next:
             self.measure_next = False
             self._start_measuring(forward_pass)

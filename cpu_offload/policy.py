@@ -12,13 +12,13 @@ recompute would change, and which automatic choices must not checkpoint.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from .log import warn
 from .schedule import offloadable
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "POLICY_CHOICES",
     "check_policy",
     "checkpoint_hazards",
+    "describe_policy",
 ]
 
 KEEP, OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD = (
@@ -82,6 +83,14 @@ def policy_runs(policy: Sequence[str]) -> list[tuple[int, int, str]]:
         else:
             runs.append((index, index, choice))
     return runs
+
+
+def describe_policy(policy: Sequence[str]) -> str:
+    """``["offload", "offload", "keep"]`` as ``"0-1 offload, 2 keep"``."""
+    return ", ".join(
+        f"{first} {choice}" if first == last else f"{first}-{last} {choice}"
+        for first, last, choice in policy_runs(policy)
+    )
 
 
 def checkpointed_modules(
@@ -176,7 +185,7 @@ def warn_checkpoint_hazards(layers: Sequence[nn.Module], policy: Sequence[str]) 
                 for hazard in checkpoint_hazards(layer)
             ]
     if found:
-        warnings.warn(
+        warn(
             "cpu_offload: offload_layers checkpoints layers whose forward, run again in "
             "backward, changes training: " + "; ".join(found) + f". Give these layers "
             f"{KEEP!r} or {OFFLOAD!r} instead (the planner does not checkpoint them), or "

@@ -18,11 +18,26 @@ from typing import Any
 __all__ = [
     "check_offloaded_layers",
     "max_offloaded",
+    "resolve_count",
     "offloadable",
     "release_point",
     "reload_point",
     "schedule_points",
 ]
+
+
+def resolve_count(k: int | float, num_layers: int) -> int:
+    """``offload_layers``' ``k``: ``k`` layers, or a fraction of ``num_layers`` (rounded down)."""
+    if isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise TypeError(f"offload_layers: k must be an int or a fraction, got {k!r}.")
+    if isinstance(k, float):
+        if not 0.0 <= k < 1.0:
+            raise ValueError(
+                f"offload_layers: a fractional k must be in [0, 1), got {k}; pass an int "
+                f"for a number of layers (at most {num_layers - 1} of {num_layers})."
+            )
+        return int(k * num_layers)
+    return k
 
 
 def max_offloaded(model_layers: int) -> int:

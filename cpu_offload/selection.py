@@ -10,6 +10,7 @@ from types import FrameType
 
 import torch
 
+from .log import logger
 from .marks import TensorMarks, is_marked_not_offload, marks_of
 from .tensor_group import AUTO_BASE_MAX_RATIO, is_dense, offloads_through_base
 
@@ -60,6 +61,7 @@ def warn_once_per_call_site(
             return False
         _warned_sites.add(key)
     warnings.warn_explicit(message, category, filename, lineno)
+    logger.warning(message)
     return True
 
 

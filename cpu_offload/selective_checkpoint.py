@@ -58,7 +58,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import warnings
 from typing import Any
 
 import torch
@@ -70,6 +69,7 @@ from .autograd_hooks import is_cpu_offload_enabled, top_saved_tensor_hooks
 from .errors import CpuOffloadError
 from .handles import Decomposed, SharedHandle, is_moved_handle, unpack_saved
 from .layer_data import version_keeper
+from .log import warn
 
 __all__ = [
     "MUTATED",
@@ -283,7 +283,7 @@ def _warn_saved(reason: str, op: Any, policy: CheckpointPolicy, why: str, fix: s
         frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH_DIR)
     ):
         frame, level = frame.f_back, level + 1
-    warnings.warn(
+    warn(
         f"{_API}: {op} has policy {policy.name}, but {why}, so its output is saved on the "
         f"device, as PREFER_SAVE would save it (and so are other such outputs there). {fix} "
         "This warning is shown once.",

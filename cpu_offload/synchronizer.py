@@ -9,7 +9,6 @@ as long as its autograd graph.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from .errors import CpuOffloadError
 from .forward_pass import ForwardPass
 from .handles import unpack_saved
 from .layer_state import OffloadableLayerState
+from .log import warn
 from .marks import set_mark
 from .per_thread import PerThread
 from .schedule import check_offloaded_layers, max_offloaded, schedule_points
@@ -197,6 +197,7 @@ class OffloadSynchronizer(OffloadEngine):
         if current is not None and current.forward_done:
             forwarding.current = None
             forwarding.finished = current.weak
+            current.end_of_forward = self.measure_end_of_forward()
             self._on_forward_end(current)
 
     def abort_forward(self) -> None:
@@ -260,6 +261,7 @@ class OffloadSynchronizer(OffloadEngine):
         forward_pass.previous_bwd_layer = None
         if self._driven_by_hand is forward_pass:
             self._driven_by_hand = None
+        self.end_step(forward_pass.step_record())
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
         """Schedule hook: backward reaches ``layer``."""
@@ -345,7 +347,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             max_host_bytes=max_host_bytes,
         )
         self.num_offloaded_layers = num_offloaded_layers
-        self.offloaded_layers = (
+        self.offloaded_layers: list[int] = (
             chosen if offloaded_layers is not None else list(range(num_offloaded_layers))
         )
         self._offloaded = frozenset(self.offloaded_layers)
@@ -373,7 +375,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         largest = max(state.largest_below_threshold for state in states)
         if largest and not any(state.num_offloaded_tensors for state in states):
             self.warn_if_nothing_moved = False  # once
-            warnings.warn(
+            warn(
                 f"cpu_offload: a forward pass offloaded nothing: every tensor its "
                 f"{self.num_offloaded_layers} offloaded layers saved has fewer elements than "
                 f"min_offload_numel={self.min_offload_numel} (the largest had {largest}). "

@@ -24,8 +24,10 @@ from .copy_timer import CopyTimer
 from .errors import OffloadStateError
 from .handles import Lease
 from .host_buffers import HostBufferPool
-from .layer_data import LayerData
+from .layer_data import LayerData, count_moves, pushed_bytes
+from .profiler_ranges import in_range
 from .stats import OffloadStats
+from .step_record import SaveCounts
 
 __all__ = ["TRANSITIONS", "LayerState", "LayerTransitions", "Transition"]
 
@@ -88,6 +90,9 @@ class LayerTransitions:
     Attributes:
         state: the :class:`LayerState`.
         generation: counts push cycles (a finalizer of an older one does nothing).
+        kept_fast: per tensor the cycle kept under the threshold its bytes, per
+            parameter ``~bytes`` (NOTE [Counting saved tensors for nearly nothing] in
+            step_report.py); :attr:`saves` holds it with the other counts.
         layer_index, name, backend, offload_stream, host_buffers, stats, copy_timer:
             what the copies use (set by the subclass).
     """
@@ -108,6 +113,8 @@ class LayerTransitions:
         self._data: LayerData | None = None
         self._held_lease: Lease | None = None  # strong: tensors pushed by hand
         self._backward_done = False  # the cycle's backward released the layer
+        self.kept_fast: list[int] = []
+        self._saves: SaveCounts | None = None  # made when something else is counted
 
     def _transition(self, operation: str) -> None:
         """Check ``operation`` against :data:`TRANSITIONS` and take it."""
@@ -131,22 +138,29 @@ class LayerTransitions:
         if data is not None:
             data.aliases = {}  # no more pushes: only the lists hold the tensors now
             if data.pushed:
-                data.copy_out(self)
+                in_range("offload", self.name, data.copy_out, self)
+                count_moves(data, self.saves)
 
     def release_activation_forward_gpu_memory(self) -> None:
         """Drop the device copies once the offload has read them."""
         self._transition("release_activation_forward_gpu_memory")
         data = self._data
         if data is not None:
-            data.wait_for_copies(self)
-            data.drop_pushed()
-            data.unique = []
+            in_range("release", self.name, self._release_forward, data)
+
+    def _release_forward(self, data: LayerData) -> None:
+        data.wait_for_copies(self)
+        data.drop_pushed()
+        data.unique = []
+        self.saves.released_bytes += data.host_bytes
 
     def start_reload(self) -> None:
         """Queue host-to-device copies on the offload stream, one event for the layer."""
         self._transition("start_reload")
-        if self._data is not None:
-            self._data.copy_in(self)
+        data = self._data
+        if data is not None:
+            in_range("reload", self.name, data.copy_in, self)
+            self.saves.reloaded_bytes += data.host_bytes
 
     def release_all_memory(self) -> None:
         """Drop the layer's device tensors after its backward.
@@ -165,11 +179,14 @@ class LayerTransitions:
             return
         if self.state is _NOT_OFFLOADED:
             return  # never copied: the device tensors live as long as the graph
+        in_range("release_all", self.name, self._release_after_backward, data)
+        self._backward_done = True
+        self.state = _OFFLOAD_FINISHED
+
+    def _release_after_backward(self, data: LayerData) -> None:
         data.wait_for_copies(self)
         data.drop_pushed()
         data.reloaded, data.unique = [], []
-        self._backward_done = True
-        self.state = _OFFLOAD_FINISHED
 
     def _new_cycle(self, lease: Lease) -> LayerData:
         """The first push of a tensor to copy in this cycle: its data, which goes when
@@ -183,6 +200,7 @@ class LayerTransitions:
         handles lose their data (popping one raises)."""
         self._held_lease = None
         self._drop_data()
+        self.kept_fast, self._saves = [], None
         self.generation += 1
         self.state = _NOT_OFFLOADED
 
@@ -200,11 +218,28 @@ class LayerTransitions:
         data, self._data = self._data, None
         self._backward_done = False
         if data is not None:
-            data.release(self)
+            if not data.host and data.pushed:  # pushed to move, never copied
+                self.saves.not_copied += len(data.pushed)
+                self.saves.not_copied_bytes += pushed_bytes(data)
+            in_range("release_all", self.name, data.release, self)
 
     # -------------------------------------------------------------- queries
 
-    # -------------------------------------------------------------- queries
+    @property
+    def saves(self) -> SaveCounts:
+        """What the cycle did with its saved tensors (the step report's counts)."""
+        saves = self._saves
+        if saves is None:
+            saves = self._saves = SaveCounts(self.kept_fast)
+        return saves
+
+    def save_counts(self) -> SaveCounts:
+        """What the cycle did with its saved tensors, those pushed to move and not
+        copied (yet) included."""
+        data = self._data
+        if data is None or data.host or not data.pushed:
+            return self.saves
+        return self.saves.with_not_copied(len(data.pushed), pushed_bytes(data))
 
     def holds_data(self) -> bool:
         """Whether a push cycle's data is alive: handles autograd may still unpack, or

@@ -69,3 +69,20 @@ def test_every_relative_link_and_image_of_the_docs_is_in_the_repository():
             if path not in tracked and not any(t.startswith(path + "/") for t in tracked):
                 dangling.append(f"{doc.name}: {target}")
     assert not dangling, dangling
+
+
+def test_the_readme_says_what_this_is_and_how_to_run_it_in_its_first_25_lines():
+    """What the tool does and for whom, the CPU torch note above the two commands (the test
+    command installs every host library its count covers), an example on a Hugging Face
+    model that prints its report, and the memory budget's one line."""
+    first = (ROOT / "README.md").read_text().splitlines()[:25]
+    text = "\n".join(first)
+    assert "moves the activations" in text and "for training whose activations" in text
+    note = next(i for i, line in enumerate(first) if "pip install torch==" in line)
+    commands = [i for i, line in enumerate(first) if line.startswith("pip install -e ")]
+    assert len(commands) == 2 and note < commands[0]
+    assert "python -m cpu_offload " in first[commands[0]]
+    assert '".[test,bench,integrations]" && python -m pytest' in first[commands[1]]
+    assert re.search(r"\d+ passed, \d+ skipped", first[commands[1]])
+    assert "from transformers import" in text and "print(handle.report())" in text
+    assert 'offload_layers(model, memory_budget="' in text

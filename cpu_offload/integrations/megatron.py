@@ -17,12 +17,12 @@ Example:
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from ..context import get_cpu_offload_context as _get_cpu_offload_context
+from ..log import logger, warn
 
 __all__ = ["MegatronPatch", "get_cpu_offload_context", "patch"]
 
@@ -166,7 +166,7 @@ def patch(**options: Any) -> MegatronPatch:
         module.get_cpu_offload_context = function  # type: ignore[attr-defined]
         sites.append(module)
     if not hasattr(block, "TransformerBlock"):  # pragma: no cover - a future layout
-        warnings.warn(
+        warn(
             "cpu_offload: megatron.core.transformer.transformer_block has no "
             "TransformerBlock; this Megatron-Core release is not one the patch knows.",
             UserWarning,
@@ -174,4 +174,9 @@ def patch(**options: Any) -> MegatronPatch:
         )
     applied = MegatronPatch(sites, function)
     _active.append(applied)
+    logger.info(
+        "megatron.patch: get_cpu_offload_context replaced in %s (options %s)",
+        ", ".join(module.__name__ for module in sites),
+        options,
+    )
     return applied

@@ -49,6 +49,7 @@ from ..chunked import ChunkedOffload
 from ..layer_discovery import find_layers
 from ..layer_hooks import OffloadLayersHandle, offload_layers
 from ..marking import mark_not_offload
+from ..step_report import StepReport
 
 __all__ = ["OffloadActivations", "OffloadLayersContext", "get_act_offloading_ctx_manager"]
 
@@ -159,6 +160,13 @@ class OffloadLayersContext:
     def remove(self) -> None:
         """Remove the hooks from the layers."""
         self.handle.remove()
+
+    def report(self) -> StepReport:
+        """What the last step did, per layer (:meth:`OffloadLayersHandle.report`)."""
+        return self.handle.report()
+
+    def __repr__(self) -> str:
+        return f"OffloadLayersContext({self.handle!r})"
 
 
 def get_act_offloading_ctx_manager(

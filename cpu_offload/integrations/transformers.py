@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from ..layer_hooks import OffloadLayersHandle, offload_layers
 from ..stats import OffloadStats
+from ..step_report import StepReport
 
 __all__ = ["OffloadCallback"]
 
@@ -43,6 +44,13 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
             ``"auto"``; the first training step is measured and the policy chosen from
             the second (``callback.handle.plan``; docs/planning.md).
         **options: keyword arguments of :func:`~cpu_offload.get_cpu_offload_context`.
+
+    At each logging step (``on_log``) it adds the scalars of the last step's report
+    (:meth:`report`, ``to_dict()``) to the Trainer's logs under ``cpu_offload/`` keys:
+    ``log_history`` has them, and so do the callbacks that run after this one.
+    transformers runs the reporting callbacks of ``report_to`` (W&B, TensorBoard) before
+    the ones passed in ``callbacks=``; to have the keys there too, put this one first:
+    ``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(callback))``.
 
     Attributes:
         handle: the :class:`~cpu_offload.OffloadLayersHandle` while training (its
@@ -67,6 +75,33 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
         self.options = options
         self.handle: OffloadLayersHandle | None = None
         self.stats: OffloadStats | None = None
+        self._last_report = StepReport()
+
+    def report(self) -> StepReport:
+        """The last step's report (:meth:`OffloadLayersHandle.report`), kept after
+        training ends."""
+        return self.handle.report() if self.handle is not None else self._last_report
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if logs is None or self.handle is None:
+            return
+        scalars = {f"cpu_offload/{k}": v for k, v in self.handle.report().to_dict().items()}
+        history = state.log_history
+        if history and logs.keys() <= history[-1].keys():  # the entry Trainer.log just made
+            history[-1].update(scalars)
+        logs.update(scalars)
+
+    def __repr__(self) -> str:
+        chosen = (
+            f"memory_budget={self.memory_budget!r}"
+            if self.memory_budget is not None
+            else repr(self.num_offloaded_layers)
+        )
+        options = "".join(f", {name}={value!r}" for name, value in self.options.items())
+        where = f"training: {self.handle!r}" if self.handle is not None else "not training"
+        return f"OffloadCallback({chosen}{options}; {where})"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
@@ -88,5 +123,6 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
 
     def _remove(self) -> None:
         if self.handle is not None:
+            self._last_report = self.handle.report()
             self.handle.remove()
             self.handle = None

@@ -109,6 +109,14 @@ def plain_chain(off: Offload) -> list[torch.Tensor]:
     return [x.grad]
 
 
+def under_the_profiler(off: Offload) -> list[torch.Tensor]:
+    """A step under torch.profiler: the offloader's copies and waits run in ranges."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        x = leaf(8, 4)
+        chain([torch.sin, torch.cos, torch.exp], x, *off.context()).sum().backward()
+    return [x.grad]
+
+
 def inplace_after_save_inside_layer(off: Offload) -> list[torch.Tensor]:
     def layer(h: torch.Tensor) -> torch.Tensor:
         out = h.exp()  # saves its output
@@ -992,6 +1000,7 @@ class Row:
 MODIFIED = "modified by an inplace operation"
 PROGRAMS = {
     "plain chain": Row(plain_chain),
+    "a step under torch.profiler": Row(under_the_profiler),
     "in-place after save, inside the layer": Row(inplace_after_save_inside_layer, match=MODIFIED),
     "in-place between layers, before the copy": Row(
         inplace_between_layers_before_copy, match=MODIFIED
