@@ -6,8 +6,7 @@ import functools
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
-from types import FrameType
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +21,7 @@ from .layer_context import OffloadContext
 from .layer_discovery import locate_layers, primary_tensor
 from .log import logger, warn
 from .marking import mark_not_offload
+from .module_hooks import ModuleHook, call_running
 from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
 from .schedule import max_offloaded, resolve_count
 from .step_report import StepReport
@@ -31,73 +31,6 @@ if TYPE_CHECKING:
     from .plan.policy_plan import PolicyPlan
 
 __all__ = ["OffloadLayersHandle", "offload_layers"]
-
-
-class _PassThrough:
-    """What a copy of a hooked module carries in place of each of our hooks: nothing.
-
-    See NOTE [Copies of hooked modules].
-    """
-
-    def __call__(self, *args: Any) -> None:
-        return None
-
-
-class _LayerHook:
-    """A forward hook of :func:`offload_layers`.
-
-    NOTE [Copies of hooked modules]
-        ``copy.deepcopy(model)`` (an EMA or reference model) and ``torch.save(model)``
-        copy a module's hook dictionaries.  Our hooks belong to the original modules
-        and their handle, so a copy gets a pass-through in their place: the copy runs
-        as the model did before ``offload_layers`` (nothing is offloaded, the
-        original keeps offloading).  Call ``offload_layers`` on the copy to offload
-        it too.
-    """
-
-    __slots__ = ("function",)
-
-    def __init__(self, function: Callable[..., None]) -> None:
-        self.function = function
-
-    def __call__(self, *args: Any) -> None:
-        self.function(*args)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _PassThrough:
-        return _PassThrough()
-
-    def __reduce__(self) -> tuple[type[_PassThrough], tuple[()]]:
-        return _PassThrough, ()
-
-
-_CALL_IMPL = nn.Module._call_impl.__code__
-
-
-def _running(module: nn.Module | None) -> bool:
-    """Whether a call of ``module`` encloses the module call now running its pre-hook
-    in this thread: a module call's frame (``nn.Module._call_impl``) for it is on the
-    stack above the innermost one.  A layer called some other way (a compiled caller)
-    is never found: the context it left entered is then left.
-
-    NOTE [Interrupted layer calls]
-        A ``KeyboardInterrupt`` (or another ``BaseException``) inside a layer skips its
-        forward hooks, so the context stays entered; the next layer call, or
-        ``remove()``, leaves it once it knows the interrupted call is no longer running.
-        That is asked of the stack only then, so the handle keeps nothing of the call:
-        holding its frame would hold the layer's input, and with it the failed step's
-        whole graph, its host buffers and its pass.
-    """
-    if module is None:
-        return False
-    frame: FrameType | None = sys._getframe(1)
-    innermost = True  # the call whose pre-hook asks (it may call ``module`` again)
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL:
-            if not innermost and frame.f_locals.get("self") is module:
-                return True
-            innermost = False
-        frame = frame.f_back
-    return False
 
 
 class _LayerCall(threading.local):
@@ -190,7 +123,7 @@ class OffloadLayersHandle:
         interrupted forward left entered (a call that is not running any more: NOTE
         [Interrupted layer calls])."""
         call = self._call
-        if self.context.active and not _running(call.module() if call.module else None):
+        if self.context.active and not call_running(call.module() if call.module else None):
             self._leave_interrupted()
         call.module = weakref.ref(module)
 
@@ -425,8 +358,8 @@ def offload_layers(
 
     # Compiled layers run the hooks eagerly, around the compiled forward: the saved-
     # tensor hooks they enter apply to the compiled graph's saved tensors at run time.
-    pre_hook = _LayerHook(torch.compiler.disable(enter))
-    post_hook = _LayerHook(torch.compiler.disable(leave))
+    pre_hook = ModuleHook(torch.compiler.disable(enter))
+    post_hook = ModuleHook(torch.compiler.disable(leave))
     unique = list({id(layer): layer for layer in layers}.values())  # a shared module once
     for layer in unique:
         handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
