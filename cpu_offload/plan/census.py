@@ -23,9 +23,11 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from ..device_kernels import ATTENTIONS, DeviceKernels
 from ..kernel_costs import kernel_cost
 from ..layer_discovery import primary_tensor
+from ..module_choices import resolve_modules
 from ..policy import checkpoint_hazards
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, PARAMETER, kept_because
 from ..tensor_group import TensorGroup, TensorGroupProcessor
+from .module_census import KEPT_BY_MODULES, Where
 
 __all__ = ["ATTENTIONS", "LayerProfile", "measure_layer"]
 
@@ -114,13 +116,18 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def _record(saved: list[torch.Tensor], kernels: _Kernels | None = None) -> Iterator[None]:
+def _record(
+    saved: list[torch.Tensor], kernels: _Kernels | None = None, where: Where | None = None
+) -> Iterator[None]:
     """Record what autograd saves; with ``kernels``, how many kernels had run at the
-    last save (``LayerProfile.recompute_kernels``)."""
+    last save (``LayerProfile.recompute_kernels``); with ``where``, the submodules each
+    was saved in."""
 
     def pack(tensor: Any) -> Any:
         if isinstance(tensor, torch.Tensor):
             saved.append(tensor)
+            if where is not None:
+                where.note()
         if kernels is not None:
             kernels.at_last_save = len(kernels.kernels)
         return tensor
@@ -138,6 +145,7 @@ def measure_layer(
     attention: str = "flash",
     fused_dropout: bool = True,
     description: str = "",
+    modules: object = None,
 ) -> LayerProfile:
     """Measure what one layer saves and how many FLOPs it runs, without memory.
 
@@ -153,6 +161,8 @@ def measure_layer(
         fused_dropout: dropout as GPUs and NPUs run it (a 1-byte mask saved); False for
             the CPU's, which saves the scaled mask in the input's dtype.
         description: carried into the profile.
+        modules: ``offload_layers``'s ``modules=``: what it keeps is counted as kept
+            (reason ``"modules= keep"``), as an offloaded layer with those choices keeps it.
 
     Returns:
         A :class:`LayerProfile`.
@@ -188,9 +198,13 @@ def measure_layer(
     saved: list[torch.Tensor] = []
     mode = DeviceKernels(attention, fused_dropout)
     forward_kernels, backward_kernels = _Kernels(), _Kernels()
-    recording = _record(saved, forward_kernels)
+    where = Where(layer)
+    recording = _record(saved, forward_kernels, where)
     with FlopCounterMode(display=False) as forward_counter, mode, recording, forward_kernels:
-        output = layer(*inputs, **(kwargs or {}))
+        with where.recording():
+            output = layer(*inputs, **(kwargs or {}))
+    choices, rest = resolve_modules([layer], modules, "measure_layer") if modules else ([{}], "")
+    keep = where.kept(choices[0], rest) if modules else None
     primary = primary_tensor(output)
     if primary is None or primary.grad_fn is None:
         raise ValueError(
@@ -205,7 +219,7 @@ def measure_layer(
         forward_kernels.kernels.append((extra_forward, 0))
         backward_kernels.kernels.append((extra_backward, 0))
     profile = LayerProfile(
-        **_census(saved, inputs, layer, min_offload_numel),
+        **_census(saved, inputs, layer, min_offload_numel, keep),
         forward_flops=forward_counter.get_total_flops() + extra_forward,
         backward_flops=backward_counter.get_total_flops() + extra_backward,
         attention=attention,
@@ -219,9 +233,12 @@ def measure_layer(
 
     def run(chained: list[Any]) -> tuple[dict[str, Any], Any]:
         saved_again: list[torch.Tensor] = []
-        with DeviceKernels(attention, fused_dropout), _record(saved_again):
-            result = layer(*chained, **(kwargs or {}))
-        return _census(saved_again, chained, layer, min_offload_numel), result
+        again = Where(layer)
+        with DeviceKernels(attention, fused_dropout), _record(saved_again, where=again):
+            with again.recording():
+                result = layer(*chained, **(kwargs or {}))
+        kept = again.kept(choices[0], rest) if modules else None
+        return _census(saved_again, chained, layer, min_offload_numel, kept), result
 
     profile.following, profile.unpredictable = _following_layers(profile, inputs, output, run)
     return profile
@@ -307,20 +324,30 @@ def _following_layers(
 
 
 def _census(
-    saved: list[torch.Tensor], inputs: list[Any], layer: torch.nn.Module, min_numel: int
+    saved: list[torch.Tensor],
+    inputs: list[Any],
+    layer: torch.nn.Module,
+    min_numel: int,
+    keep: list[bool] | None = None,
 ) -> dict[str, Any]:
     """The census fields of a :class:`LayerProfile`: what the layer saves, and what it
     keeps saved when checkpointed (its positional tensor inputs)."""
     checkpointed = _classify([t for t in inputs if isinstance(t, torch.Tensor)], layer, min_numel)
-    return _classify(saved, layer, min_numel) | {
+    return _classify(saved, layer, min_numel, keep) | {
         "input_bytes": checkpointed["saved_bytes"],
         "input_offloaded_bytes": checkpointed["offloaded_bytes"],
         "input_tensors_offloaded": checkpointed["tensors_offloaded"],
     }
 
 
-def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int) -> dict[str, Any]:
-    """The byte and copy fields of a :class:`LayerProfile` for these saved tensors."""
+def _classify(
+    saved: list[torch.Tensor],
+    layer: torch.nn.Module,
+    min_numel: int,
+    keep: list[bool] | None = None,
+) -> dict[str, Any]:
+    """The byte and copy fields of a :class:`LayerProfile` for these saved tensors;
+    ``keep``: per tensor, whether ``modules=`` keeps it."""
     weights = {_storage_key(p) for p in layer.parameters()}
     buffers = {_storage_key(b) for b in layer.buffers()}
     device = torch.device("meta")
@@ -328,7 +355,7 @@ def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int)
     kept: dict[int, str] = {}  # storage -> why it stays
     group = TensorGroup()
     rows = []
-    for tensor in saved:
+    for index, tensor in enumerate(saved):
         key = _storage_key(tensor)
         if isinstance(tensor, torch.nn.Parameter) or key in weights:
             reason: str | None = PARAMETER
@@ -336,6 +363,8 @@ def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int)
             reason = BUFFER
         else:
             reason = kept_because(tensor, device, min_numel)
+            if reason is None and keep is not None and keep[index]:
+                reason = KEPT_BY_MODULES
             if reason != PARAMETER:  # a cast of a weight (autocast) counts as a weight
                 activations[key] = tensor.untyped_storage().nbytes()
         rows.append((tuple(tensor.shape), str(tensor.dtype), reason or "offloaded"))
