@@ -137,10 +137,10 @@ def _find(layer: nn.Module, path: str) -> nn.Module | None:
 def _place_in(layer: nn.Module, name: str) -> tuple[list[nn.Module], list[nn.Module]] | None:
     """The submodules ``name`` stands for in ``layer`` and those it excludes, or None."""
     for place in MEGATRON_MODULES.get(name, ()):
-        found = [_find(layer, path) for path in place.paths]
-        if all(m is not None for m in found):
+        found = [m for m in (_find(layer, path) for path in place.paths) if m is not None]
+        if len(found) == len(place.paths):
             excluded = [_find(layer, path) for path in place.excluding]
-            return found, [m for m in excluded if m is not None]  # type: ignore[misc]
+            return found, [m for m in excluded if m is not None]
     found_path = _find(layer, name) if name not in MEGATRON_MODULES else None
     return ([found_path], []) if found_path is not None else None
 
