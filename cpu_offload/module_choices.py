@@ -71,6 +71,7 @@ class Place:
 
 
 _HF, _TT, _MC = "Hugging Face Llama, Mixtral", "torchtune", "Megatron-Core"
+_OURS = "cpu_offload.models (the planner's presets)"
 _HF_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _TT_PROJ = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj")
 
@@ -82,6 +83,7 @@ MEGATRON_MODULES: dict[str, tuple[Place, ...]] = {
         Place(_HF_PROJ[:3], (), _HF),
         Place(_TT_PROJ[:3], (), _TT),
         Place(("self_attention.linear_qkv",), (), _MC),
+        Place(("q", "k", "v"), (), _OURS),
     ),
     "core_attn": (
         Place(("self_attn",), _HF_PROJ, _HF),
@@ -92,6 +94,7 @@ MEGATRON_MODULES: dict[str, tuple[Place, ...]] = {
         Place(_HF_PROJ[3:], (), _HF),
         Place(_TT_PROJ[3:], (), _TT),
         Place(("self_attention.linear_proj",), (), _MC),
+        Place(("out",), (), _OURS),
     ),
     "mlp_norm": (
         Place(("post_attention_layernorm",), (), _HF),
@@ -141,14 +144,14 @@ def _place_in(layer: nn.Module, name: str) -> tuple[list[nn.Module], list[nn.Mod
         if len(found) == len(place.paths):
             excluded = [_find(layer, path) for path in place.excluding]
             return found, [m for m in excluded if m is not None]
-    found_path = _find(layer, name) if name not in MEGATRON_MODULES else None
+    found_path = _find(layer, name)  # a path (a layer may use Megatron's names itself)
     return ([found_path], []) if found_path is not None else None
 
 
 def names_in(layer: nn.Module) -> list[str]:
     """What ``modules=`` can name in ``layer``: Megatron names found, then paths."""
     megatron = [name for name in MEGATRON_MODULES if _place_in(layer, name) is not None]
-    return megatron + [path for path, _ in layer.named_modules() if path]
+    return list(dict.fromkeys(megatron + [path for path, _ in layer.named_modules() if path]))
 
 
 def resolve_modules(

@@ -13,8 +13,9 @@ from ..cli import Parser, at_least, int_in, output_file, plot_file, positive_flo
 from ..models import DTYPES
 from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
-from .census import ATTENTIONS, measure_layer
+from .census import ATTENTIONS, LayerProfile, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
+from .module_census import KEPT_BY_MODULES
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
 from .profiles import PROFILES, get_profile, with_flops
@@ -68,6 +69,13 @@ def parser() -> Parser:
         type=positive_float,
         default=None,
         help="GiB of saved activations: also choose keep/offload/checkpoint per layer",
+    )
+    parser.add_argument(
+        "--modules",
+        nargs="+",
+        metavar="NAME[=keep|offload]",
+        default=None,
+        help="offload_layers' modules=: names alone offload those and keep the rest",
     )
     parser.add_argument(
         "--json", metavar="PATH", type=output_file, help="also write the plan as JSON"
@@ -185,7 +193,13 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
     layer = dataclasses.asdict(plan.layer)
     for measured in (layer, layer["following"]):
         if measured is not None:  # the long lists stay out: their totals are there
-            for key in ("saved", "forward_kernels", "backward_kernels", "recompute_kernels"):
+            for key in (
+                "saved",
+                "forward_kernels",
+                "backward_kernels",
+                "recompute_kernels",
+                "saved_by_module",
+            ):
                 measured.pop(key)
     return {
         "description": description,
@@ -279,6 +293,23 @@ def draw_policy(axes: Any, policy: Sequence[str]) -> None:
     axes.legend(ncol=4, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.6))
 
 
+def modules_argument(items: Sequence[str]) -> dict[str, str] | list[str]:
+    """``--modules a b`` (a list: offload those, keep the rest) or ``--modules a=keep``."""
+    if not any("=" in item for item in items):
+        return list(items)
+    pairs = [item.split("=", 1) if "=" in item else [item, "offload"] for item in items]
+    return {name: choice for name, choice in pairs}
+
+
+def print_saved_by(profile: LayerProfile) -> None:
+    """One layer's saved bytes by submodule and by kind of operation (MiB)."""
+    for title, table in (("submodule", profile.saved_by_module), ("kind", profile.saved_by_kind)):
+        cells = ", ".join(f"{name or '(layer)'} {n / 2**20:.0f}" for name, n in table.items())
+        print(f"saved per {title} (MiB): {cells}")
+    kept = profile.kept_by_reason.get(KEPT_BY_MODULES, 0)
+    print(f"modules= keeps {kept / 2**20:.0f} MiB per layer on the device")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
@@ -306,14 +337,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.memory_budget is not None and num_layers > 64:
         print(f"searching policies of {num_layers} layers: a minute or more ...", flush=True)
-    profile = measure_layer(
-        spec.make_layer,
-        spec.inputs,
-        kwargs=spec.kwargs,
-        min_offload_numel=args.min_offload_numel,
-        attention=args.attention,
-        description=spec.description,
-    )
+    modules = modules_argument(args.modules) if args.modules else None
+    try:
+        profile = measure_layer(
+            spec.make_layer,
+            spec.inputs,
+            kwargs=spec.kwargs,
+            min_offload_numel=args.min_offload_numel,
+            attention=args.attention,
+            description=spec.description,
+            modules=modules,
+        )
+    except ValueError as error:
+        if modules is None:
+            raise
+        cli.error(f"--modules: {error}")
+    if modules is not None:
+        print_saved_by(profile)
     budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
     plan = plan_offload(
         profile,

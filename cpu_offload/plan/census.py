@@ -27,7 +27,7 @@ from ..module_choices import resolve_modules
 from ..policy import checkpoint_hazards
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, PARAMETER, kept_because
 from ..tensor_group import TensorGroup, TensorGroupProcessor
-from .module_census import KEPT_BY_MODULES, Where
+from .module_census import KEPT_BY_MODULES, Where, saved_by
 
 __all__ = ["ATTENTIONS", "LayerProfile", "measure_layer"]
 
@@ -70,6 +70,10 @@ class LayerProfile:
         recompute_kernels: the kernels a checkpointed layer runs again in backward: its
             forward's up to its last saved tensor (non-reentrant checkpointing stops
             there: ``torch.utils.checkpoint``'s early stop).
+        saved_by_module, saved_by_kind: ``saved_bytes`` split by the innermost submodule
+            that saved each storage (``""``: the layer's own code) and by the kind of
+            operation that made it (``"matmul"``, ``"attention"``, ``"norm"``,
+            ``"elementwise"``, ``"input"``).
     """
 
     saved_bytes: int
@@ -92,6 +96,8 @@ class LayerProfile:
     forward_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
     backward_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
     recompute_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    saved_by_module: dict[str, int] = field(default_factory=dict, repr=False)
+    saved_by_kind: dict[str, int] = field(default_factory=dict, repr=False)
 
 
 class _Kernels(TorchDispatchMode):
@@ -230,6 +236,8 @@ def measure_layer(
         backward_kernels=backward_kernels.kernels,
         recompute_kernels=forward_kernels.kernels[: forward_kernels.at_last_save],
     )
+    activations = _activation_storages(saved, layer)
+    profile.saved_by_module, profile.saved_by_kind = saved_by(saved, where, activations)
 
     def run(chained: list[Any]) -> tuple[dict[str, Any], Any]:
         saved_again: list[torch.Tensor] = []
@@ -337,6 +345,20 @@ def _census(
         "input_bytes": checkpointed["saved_bytes"],
         "input_offloaded_bytes": checkpointed["offloaded_bytes"],
         "input_tensors_offloaded": checkpointed["tensors_offloaded"],
+    }
+
+
+def _activation_storages(saved: list[torch.Tensor], layer: torch.nn.Module) -> set[int]:
+    """The storages among ``saved`` that are activations (no parameter, buffer or cast
+    of a weight)."""
+    excluded = {_storage_key(t) for t in (*layer.parameters(), *layer.buffers())}
+    device = torch.device("meta")
+    return {
+        _storage_key(t)
+        for t in saved
+        if _storage_key(t) not in excluded
+        and not isinstance(t, torch.nn.Parameter)
+        and kept_because(t, device, 0) != PARAMETER
     }
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..module_choices import KEEP, choice_of
 
-__all__ = ["KEPT_BY_MODULES", "Where"]
+__all__ = ["KEPT_BY_MODULES", "Where", "saved_by", "tensor_kind"]
 
 #: why a saved tensor stays, in the census, when ``modules=`` keeps it
 KEPT_BY_MODULES = "modules= keep"
@@ -30,24 +30,16 @@ class Where:
     Attributes:
         layer: the layer measured.
         saves: one tuple of modules per tensor saved while :meth:`recording`.
-        kernels_in: per submodule, the indices of the forward kernels launched while it
-            was innermost (filled by :meth:`note_kernel`).
     """
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
         self.stack: list[nn.Module] = []
         self.saves: list[tuple[nn.Module, ...]] = []
-        self.kernels_in: dict[nn.Module, list[int]] = {}
 
     def note(self) -> None:
         """A tensor is being saved now."""
         self.saves.append(tuple(self.stack))
-
-    def note_kernel(self, index: int) -> None:
-        """Forward kernel ``index`` is being launched now."""
-        if self.stack:
-            self.kernels_in.setdefault(self.stack[-1], []).append(index)
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -77,25 +69,49 @@ class Where:
         return [choice_of(enclosing, choices, rest) == KEEP for enclosing in self.saves]
 
 
+def saved_by(
+    saved: list[torch.Tensor], where: Where, activations: set[int]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Activation bytes (unique storages among ``activations``, by the first save of
+    each) per innermost submodule path (``""``: the layer's own code) and per kind of
+    operation (:func:`tensor_kind`)."""
+    names = {module: path for path, module in where.layer.named_modules()}
+    by_module: dict[str, int] = {}
+    by_kind: dict[str, int] = {}
+    seen: set[int] = set()
+    for tensor, enclosing in zip(saved, where.saves):
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in activations or key in seen:
+            continue
+        seen.add(key)
+        path = names.get(enclosing[-1], "") if enclosing else ""
+        kind = tensor_kind(tensor, enclosing)
+        by_module[path] = by_module.get(path, 0) + storage.nbytes()
+        by_kind[kind] = by_kind.get(kind, 0) + storage.nbytes()
+    return by_module, by_kind
+
+
 def tensor_kind(tensor: torch.Tensor, enclosing: tuple[nn.Module, ...]) -> str:
-    """The kind of operation that made a saved tensor: ``"matmul"``, ``"attention"``,
-    ``"norm"`` (saved inside a normalization module, or made by a norm kernel),
-    ``"elementwise"``, or ``"input"`` (the layer's input, a leaf)."""
-    made = tensor
-    while made.grad_fn is not None and made._base is not None and _is_view(made.grad_fn.name()):
-        made = made._base
-    node = made.grad_fn
-    if node is None:
+    """The kind of operation that made a saved tensor (through views and reshapes):
+    ``"matmul"``, ``"attention"`` (an attention kernel, or a softmax), ``"norm"`` (made
+    inside a normalization module, or by a norm kernel), ``"elementwise"``, or
+    ``"input"`` (a leaf: the layer's input, a table)."""
+    node = tensor.grad_fn if tensor._base is None else tensor._base.grad_fn
+    node = tensor.grad_fn or node
+    while node is not None and any(v in node.name() for v in _RESHAPES) and node.next_functions:
+        node = node.next_functions[0][0]
+    if node is None or node.name() == "torch::autograd::AccumulateGrad":
         return "input"
     name = node.name().lower()
-    if "attention" in name:
+    if "attention" in name or "softmax" in name:
         return "attention"
-    if any(m in name for m in ("mmbackward", "addmm", "bmm", "matmul", "linear", "baddbmm")):
+    if any(m in name for m in ("mmbackward", "addmm", "bmm", "matmul", "linear")):
         return "matmul"
     if "norm" in name or any("norm" in type(m).__name__.lower() for m in enclosing[-1:]):
         return "norm"
     return "elementwise"
 
 
-def _is_view(name: str) -> bool:
-    return any(v in name for v in ("View", "Transpose", "Permute", "Expand", "Slice", "Select"))
+#: autograd nodes that only lay a tensor out otherwise (the kind is their input's)
+_RESHAPES = ("View", "Transpose", "TBackward", "Permute", "Expand", "Slice", "Select", "Split")

@@ -374,3 +374,22 @@ def test_module_choices_plan_the_bytes_a_real_run_moves(tmp_path, modules):
         2 * layer.offloaded_bytes,
         2 * layer.tensors_offloaded,
     )
+
+
+def test_saved_bytes_per_submodule_and_kind_add_up():
+    spec = preset_layer("tiny")
+    layer = measure_layer(spec.make_layer, spec.inputs, min_offload_numel=0, attention="cpu")
+    assert sum(layer.saved_by_module.values()) == layer.saved_bytes
+    assert sum(layer.saved_by_kind.values()) == layer.saved_bytes
+    assert {"attn_norm", "mlp_norm", "down"} <= set(layer.saved_by_module)
+    assert {"matmul", "norm", "elementwise", "attention"} <= set(layer.saved_by_kind)
+    kept = measure_layer(
+        spec.make_layer,
+        spec.inputs,
+        min_offload_numel=0,
+        attention="cpu",
+        modules={"attn_norm": "keep", "mlp_norm": "keep"},
+    )
+    norms = layer.saved_by_module["attn_norm"] + layer.saved_by_module["mlp_norm"]
+    assert kept.kept_by_reason["modules= keep"] == norms
+    assert kept.offloaded_bytes == layer.offloaded_bytes - norms
