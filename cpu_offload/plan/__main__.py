@@ -199,6 +199,7 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
                 "backward_kernels",
                 "recompute_kernels",
                 "saved_by_module",
+                "saved_by_kind",
             ):
                 measured.pop(key)
     return {
