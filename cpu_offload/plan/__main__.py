@@ -200,6 +200,7 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
                 "recompute_kernels",
                 "saved_by_module",
                 "saved_by_kind",
+                "forward_sites",
             ):
                 measured.pop(key)
     return {

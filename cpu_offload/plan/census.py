@@ -27,7 +27,7 @@ from ..module_choices import resolve_modules
 from ..policy import checkpoint_hazards
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, PARAMETER, kept_because
 from ..tensor_group import TensorGroup, TensorGroupProcessor
-from .module_census import KEPT_BY_MODULES, Where, saved_by
+from .module_census import KEPT_BY_MODULES, Where, attention_site, saved_by
 
 __all__ = ["ATTENTIONS", "LayerProfile", "measure_layer"]
 
@@ -74,6 +74,9 @@ class LayerProfile:
             that saved each storage (``""``: the layer's own code) and by the kind of
             operation that made it (``"matmul"``, ``"attention"``, ``"norm"``,
             ``"elementwise"``, ``"input"``).
+        forward_sites: per forward kernel, ``(submodule path, kind)`` of the operation
+            that launched it: FLOPs and recompute cost per part
+            (:func:`~cpu_offload.plan.module_census.costs_by`).
     """
 
     saved_bytes: int
@@ -98,14 +101,18 @@ class LayerProfile:
     recompute_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
     saved_by_module: dict[str, int] = field(default_factory=dict, repr=False)
     saved_by_kind: dict[str, int] = field(default_factory=dict, repr=False)
+    forward_sites: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
 
 class _Kernels(TorchDispatchMode):
-    """Records ``(flops, bytes)`` of every kernel launched inside it."""
+    """Records ``(flops, bytes)`` of every kernel launched inside it; with ``where``,
+    the submodule and kind of operation of each (``sites``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: Where | None = None) -> None:
         super().__init__()
         self.kernels: list[tuple[int, int]] = []
+        self.sites: list[tuple[str, str]] = []
+        self.where = where
         self.at_last_save = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -114,6 +121,8 @@ class _Kernels(TorchDispatchMode):
         cost = kernel_cost(func, args, kwargs, out)
         if cost is not None:
             self.kernels.append(cost)
+            if self.where is not None:
+                self.sites.append(self.where.site(func))
         return out
 
 
@@ -203,8 +212,8 @@ def measure_layer(
                 inputs[index] = value.detach().requires_grad_()
     saved: list[torch.Tensor] = []
     mode = DeviceKernels(attention, fused_dropout)
-    forward_kernels, backward_kernels = _Kernels(), _Kernels()
     where = Where(layer)
+    forward_kernels, backward_kernels = _Kernels(where), _Kernels()
     recording = _record(saved, forward_kernels, where)
     with FlopCounterMode(display=False) as forward_counter, mode, recording, forward_kernels:
         with where.recording():
@@ -223,6 +232,7 @@ def measure_layer(
     extra_backward = sum(sdpa_backward_flop_count(q, q, k, v) for q, k, v in mode.uncounted)
     if mode.uncounted:  # attention kernels without a FLOP formula: their FLOPs on top
         forward_kernels.kernels.append((extra_forward, 0))
+        forward_kernels.sites.append(attention_site(forward_kernels.sites))
         backward_kernels.kernels.append((extra_backward, 0))
     profile = LayerProfile(
         **_census(saved, inputs, layer, min_offload_numel, keep),
@@ -235,6 +245,7 @@ def measure_layer(
         forward_kernels=forward_kernels.kernels,
         backward_kernels=backward_kernels.kernels,
         recompute_kernels=forward_kernels.kernels[: forward_kernels.at_last_save],
+        forward_sites=forward_kernels.sites,
     )
     activations = _activation_storages(saved, layer)
     profile.saved_by_module, profile.saved_by_kind = saved_by(saved, where, activations)
