@@ -22,7 +22,7 @@ from .profiles import PROFILES, get_profile, with_flops
 from .schedule_model import PlanRow
 
 GIB = 2**30
-PLAN_PRESETS = ["tiny", "llama8b-layer"]
+PLAN_PRESETS = ["tiny", "llama8b-layer", "mixtral8x7b-layer", "tiny-moe"]
 GPT_LAYERS = 32  # the stack a --gpt layer is planned in, unless --layers says otherwise
 
 
