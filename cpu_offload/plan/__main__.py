@@ -16,6 +16,7 @@ from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .census import ATTENTIONS, LayerProfile, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
 from .module_census import KEPT_BY_MODULES
+from .module_search import ModuleSearch
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
 from .profiles import PROFILES, get_profile, with_flops
@@ -76,6 +77,11 @@ def parser() -> Parser:
         metavar="NAME[=keep|offload]",
         default=None,
         help="offload_layers' modules=: names alone offload those and keep the rest",
+    )
+    parser.add_argument(
+        "--per-module",
+        action="store_true",
+        help="with --memory-budget: also try keeping parts of each offloaded layer (modules=)",
     )
     parser.add_argument(
         "--json", metavar="PATH", type=output_file, help="also write the plan as JSON"
@@ -339,16 +345,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.memory_budget is not None and num_layers > 64:
         print(f"searching policies of {num_layers} layers: a minute or more ...", flush=True)
+    if args.per_module and (args.memory_budget is None or args.modules):
+        cli.error(
+            "--per-module: chooses modules= with the policy for a memory budget; pass "
+            "--memory-budget GiB and leave out --modules"
+        )
     modules = modules_argument(args.modules) if args.modules else None
+    budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
+    per_module = None
+    if args.per_module and budget is not None:
+        measure = dict(kwargs=spec.kwargs, min_offload_numel=args.min_offload_numel)
+        measure |= dict(attention=args.attention, description=spec.description)
+        search = ModuleSearch(spec.make_layer, spec.inputs, num_layers, device, **measure)
+        per_module = search.choose(budget)
+        print(per_module.summary())
     try:
-        profile = measure_layer(
-            spec.make_layer,
-            spec.inputs,
-            kwargs=spec.kwargs,
-            min_offload_numel=args.min_offload_numel,
-            attention=args.attention,
-            description=spec.description,
-            modules=modules,
+        profile = (
+            per_module.profile
+            if per_module and per_module.profile
+            else measure_layer(
+                spec.make_layer,
+                spec.inputs,
+                kwargs=spec.kwargs,
+                min_offload_numel=args.min_offload_numel,
+                attention=args.attention,
+                description=spec.description,
+                modules=modules,
+            )
         )
     except ValueError as error:
         if modules is None:
@@ -356,7 +379,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli.error(f"--modules: {error}")
     if modules is not None:
         print_saved_by(profile)
-    budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
     plan = plan_offload(
         profile,
         num_layers,
@@ -367,7 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_plan(plan, spec.description)
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(to_json(plan, spec.description), file, indent=2)
+            document = to_json(plan, spec.description)
+            if per_module is not None:
+                document["per_module"] = per_module.to_json()
+            json.dump(document, file, indent=2)
     if args.plot:
         why = write_plot(plan, args.plot)
         print(f"plot: {why}" if why else f"plot written to {args.plot}")

@@ -67,6 +67,7 @@ class ModulePlan:
         layer_level: the layer-level search's plan for the same budget.
         tried: ``(label, predicted step seconds or None where it does not fit)`` per
             candidate.
+        profile: the winner's census (measured with its ``modules=``).
     """
 
     label: str
@@ -74,6 +75,7 @@ class ModulePlan:
     plan: PolicyPlan
     layer_level: PolicyPlan
     tried: list[tuple[str, float | None]] = field(default_factory=list)
+    profile: LayerProfile | None = field(default=None, repr=False)
 
     @property
     def gain(self) -> float:
@@ -82,6 +84,27 @@ class ModulePlan:
         if not (self.plan.fits and self.layer_level.fits):
             return 0.0
         return 1.0 - self.plan.predicted.step_s / self.layer_level.predicted.step_s
+
+    def summary(self) -> str:
+        """Lines for a person: the winner, what to pass, and every candidate's step."""
+        steps = ", ".join(
+            f"{label} {'-' if step is None else f'{step * 1e3:.1f}'}" for label, step in self.tried
+        )
+        passed = "leave out modules=" if self.modules is None else f"modules={self.modules}"
+        return (
+            f"per module: {self.label} ({passed}), {self.gain * 100:.2f}% less step time "
+            f"than layer-level\n  predicted step ms per candidate (-: does not fit): {steps}"
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "label": self.label,
+            "modules": self.modules,
+            "gain": self.gain,
+            "layer_level_policy": self.layer_level.policy,
+            "layer_level_step_time_s": self.layer_level.predicted.step_s,
+            "tried": [{"label": label, "step_time_s": step} for label, step in self.tried],
+        }
 
 
 class ModuleSearch:
@@ -141,7 +164,7 @@ class ModuleSearch:
             ):
                 best = index
         label, modules = self.candidates[best]
-        return ModulePlan(label, modules, plans[best], plans[0], tried)
+        return ModulePlan(label, modules, plans[best], plans[0], tried, self.profiles[best])
 
 
 def granularity_table(
