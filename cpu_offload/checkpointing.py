@@ -148,6 +148,10 @@ class CheckpointedForward:
             return self.shadowed  # type: ignore[no-any-return]
         return _class_forward(module)
 
+    def checkpoints_now(self) -> bool:
+        """Whether a call now would checkpoint (a request is enabled, grad is on)."""
+        return torch.is_grad_enabled() and any(r.enabled() for r in self.requests)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._alive()
         forward = self._inner(module)

@@ -6,7 +6,7 @@ import functools
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +21,7 @@ from .layer_context import OffloadContext
 from .layer_discovery import locate_layers, primary_tensor
 from .log import logger, warn
 from .marking import mark_not_offload
+from .module_choices import ModuleChoices, resolve_modules
 from .module_hooks import ModuleHook, call_running
 from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
 from .schedule import max_offloaded, resolve_count
@@ -73,6 +74,7 @@ class OffloadLayersHandle:
         self._warned_checkpoint = False
         self._call = _LayerCall()
         self.auto: AutoPolicy | None = None
+        self.modules: ModuleChoices | None = None  # modules=: the choices per submodule
 
     @property
     def plan(self) -> PolicyPlan | None:
@@ -88,7 +90,9 @@ class OffloadLayersHandle:
     def __repr__(self) -> str:
         sync, schedule = self.offload_synchronizer, schedule_of(self.policy, self.k, self.auto)
         return (
-            f"OffloadLayersHandle({self.found}; {schedule}; {sync.thresholds()}; "
+            f"OffloadLayersHandle({self.found}; {schedule}; "
+            f"{'' if self.modules is None else f'modules={self.modules.given!r}; '}"
+            f"{sync.thresholds()}; "
             f"device {sync.backend.device}{'' if self._hooks else '; removed'})"
         )
 
@@ -104,12 +108,16 @@ class OffloadLayersHandle:
         self._stop_watching()
         if self.auto is not None:
             self.auto.remove()
+        if self.modules is not None:
+            self.modules.remove()
         self._leave_interrupted()
 
     def _leave_interrupted(self) -> None:
         """Leave the context that a forward stopped by a ``BaseException`` left entered
         (forward hooks with ``always_call`` run on ``Exception`` only)."""
         self._call.module = None
+        if self.modules is not None:
+            self.modules.unwind()
         if not self.context.leave_interrupted():
             raise CpuOffloadError(
                 "cpu_offload: a forward of an offloaded layer was interrupted (a "
@@ -192,6 +200,7 @@ def offload_layers(
     *,
     policy: Sequence[str] | None = None,
     memory_budget: int | str | None = None,
+    modules: Mapping[str, str] | Sequence[str] | None = None,
     **options: Any,
 ) -> OffloadLayersHandle:
     """Offload the activations of the first ``num_offloaded_layers`` decoder layers, apply
@@ -224,6 +233,9 @@ def offload_layers(
             next, the fastest policy predicted to fit is applied (``handle.plan``; one
             line printed).  See docs/planning.md; ``copy_bandwidth=`` (bytes per second,
             or a ``python -m cpu_offload.check --json`` file) skips measuring the link.
+        modules: with any of the three, ``{name: "offload" | "keep"}`` (and ``"rest"``)
+            or a list of names to offload: choices per submodule within each offloaded
+            layer (``module_choices.py``; docs/usage.md, "Choices per submodule").
         **options: keyword arguments of :func:`get_cpu_offload_context`
             (``retain_pinned_cpu_buffers``, ``device``, ``min_offload_numel``,
             ``manual_synchronization``, ``offload_stream``).
@@ -271,6 +283,7 @@ def offload_layers(
             "offload_layers: copy_bandwidth= is the link the memory_budget= plan assumes; "
             "pass it with memory_budget=..., or leave it out."
         )
+    per_layer = resolve_modules(layers, modules) if modules is not None else None
     checkpointed: list[nn.Module] = []
     chosen: list[str] = []
     count, auto = 0, None
@@ -372,6 +385,8 @@ def offload_layers(
         handle._hooks.append(request)
     if checkpointed:
         warn_checkpoint_hazards(layers, chosen)
+    if per_layer is not None:  # after the layer hooks (NOTE [Choices finer than a layer])
+        handle.modules = ModuleChoices(layers, *per_layer, chosen, given=modules)
     if count > 0 or auto is not None:
         handle._watch_for_missed_forwards(unique)
     if auto is not None:

@@ -67,6 +67,7 @@ from .profiler_ranges import in_range
 from .saving_protocol import decompose, has_saving_protocol
 from .selection import (
     DEFAULT_MIN_OFFLOAD_NUMEL,
+    KEPT_BY_MODULES,
     NOT_DENSE,
     SUBCLASS,
     plain_kept_because,
@@ -212,6 +213,31 @@ class OffloadableLayerState(LayerTransitions):
         data.pushed.append(alias)
         data.ready.append(event)
         return (lease, index)
+
+    @eager
+    def keep_tensor(self, tensor: torch.Tensor) -> tuple:
+        """Take a tensor autograd saves that stays on the device, whatever it is (a
+        submodule's, which ``offload_layers(..., modules=...)`` keeps); counted for the
+        step report as :meth:`push_tensor` counts, under its own reason where no other
+        would have kept it."""
+        if self._backward_done:
+            self._start_new_cycle()
+        if self.state is not _NOT_OFFLOADED:
+            self._transition("push_tensor")  # raises
+        kind, numel = type(tensor), tensor.numel()
+        if kind is _Parameter:
+            self.kept_fast.append(~tensor.nbytes)
+        elif kind is not _Tensor:
+            self.saves.kept.append((SUBCLASS, nominal_bytes(tensor)))
+        elif numel < self.min_offload_numel:
+            self.kept_fast.append(numel * tensor.itemsize)
+        else:
+            marks = marks_of(tensor)
+            reason = plain_kept_because(
+                tensor, numel, self.backend.device, self.min_offload_bytes, marks
+            )
+            self.saves.kept.append((reason or KEPT_BY_MODULES, numel * tensor.itemsize))
+        return kept_handle(tensor, self)
 
     def push_by_hand(self, tensor: Any) -> Any:
         """Push a tensor that no pack hook saved (TransformerEngine's by-hand use).

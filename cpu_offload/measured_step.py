@@ -29,7 +29,7 @@ from .backend import DeviceBackend
 from .eager import eager
 from .layer_state import OffloadableLayerState
 from .saving_protocol import has_saving_protocol
-from .selection import PARAMETER, kept_because
+from .selection import KEPT_BY_MODULES, PARAMETER, kept_because
 
 __all__ = [
     "CENSUS_FIELDS",
@@ -87,6 +87,13 @@ class ObservedLayerState(OffloadableLayerState):
             seen.append(tensor)
         return super().push_tensor(tensor)
 
+    @eager
+    def keep_tensor(self, tensor: torch.Tensor) -> tuple:
+        seen = self.seen  # what modules= keeps is measured as saved too
+        if seen is not None:
+            seen.append(tensor)
+        return super().keep_tensor(tensor)
+
 
 def measure_pushed(
     seen: Sequence[torch.Tensor],
@@ -107,6 +114,7 @@ def measure_pushed(
     """
     activations: dict[int, int] = {}  # storage -> bytes
     kept: dict[int, str] = {}  # storage -> why it stays
+    moving = {t.untyped_storage()._cdata for t in pending}
     for tensor in seen:
         if has_saving_protocol(tensor):
             continue  # saved as its components, which were pushed too
@@ -121,6 +129,8 @@ def measure_pushed(
         if reason == PARAMETER:  # a view or a cast of a weight
             continue
         activations[key] = storage.nbytes()
+        if reason is None and key not in moving:
+            reason = KEPT_BY_MODULES  # movable, and kept by its submodule's choice
         if reason is not None:
             kept.setdefault(key, reason)
     by_reason: dict[str, int] = {}

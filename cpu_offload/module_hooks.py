@@ -24,7 +24,8 @@ class PassThrough:
 
 
 class ModuleHook:
-    """A module hook of cpu_offload (:func:`offload_layers`' forward hooks).
+    """A module hook of cpu_offload: the layers' forward hooks of :func:`offload_layers`, and
+    those of the submodules ``modules=`` names.
 
     NOTE [Copies of hooked modules]
         ``copy.deepcopy(model)`` (an EMA or reference model) and ``torch.save(model)``

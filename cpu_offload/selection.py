@@ -138,6 +138,8 @@ PARAMETER, MARKED, BIT_OR_TRACING, NOT_DENSE = (
     "conj/neg/functional",
     "not dense",
 )
+#: kept because ``offload_layers(..., modules=...)`` keeps what its submodule saves
+KEPT_BY_MODULES = "modules= keep"
 
 
 def kept_because(

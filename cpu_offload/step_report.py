@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .selection import (
     BIT_OR_TRACING,
+    KEPT_BY_MODULES,
     MARKED,
     NOT_DENSE,
     NOT_STRIDED,
@@ -43,6 +44,7 @@ REASONS: dict[str, tuple[str, str]] = {  # in the order the offloader asks
     BIT_OR_TRACING: ("conj_neg_traced", "conj/neg bit or traced"),
     NOT_DENSE: ("not_dense", "not dense"),
     HOST_CAP: ("host_cap", "over max_host_bytes"),
+    KEPT_BY_MODULES: ("modules_keep", "kept by modules="),
     NOT_COPIED: ("not_offloaded", "offload never started"),
 }
 _LAST_CHUNK = ("last_chunk", "in the last chunk")

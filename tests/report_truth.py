@@ -1,6 +1,6 @@
 """The hook-level truth a step report is checked against: what the pack hooks were handed,
-recorded by a spy around ``OffloadableLayerState.push_tensor``, each tensor classified as
-the push path decides (``selection.kept_because``)."""
+recorded by a spy around ``OffloadableLayerState.push_tensor`` (and ``keep_tensor``, for
+``modules=``), each tensor classified as the push path decides (``selection.kept_because``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from cpu_offload.layer_state import OffloadableLayerState
-from cpu_offload.selection import PARAMETER, kept_because
+from cpu_offload.selection import KEPT_BY_MODULES, PARAMETER, kept_because
 from cpu_offload.step_report import REASONS
 
 
@@ -39,7 +39,15 @@ class Spy:
             spy.saved[state.layer_index].append((tensor.numel() * tensor.itemsize, why))
             return handle
 
+        def keep(state: OffloadableLayerState, tensor: Any) -> Any:
+            handle = kept(state, tensor)  # modules= keeps what its submodule saved
+            why = reason_of(tensor, state.backend.device, min_numel, min_bytes)
+            spy.saved[state.layer_index].append((tensor.nbytes, why or KEPT_BY_MODULES))
+            return handle
+
+        kept = OffloadableLayerState.keep_tensor
         monkeypatch.setattr(OffloadableLayerState, "push_tensor", push)
+        monkeypatch.setattr(OffloadableLayerState, "keep_tensor", keep)
 
     def clear(self) -> None:
         self.saved.clear()

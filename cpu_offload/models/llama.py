@@ -80,6 +80,11 @@ class LlamaLayer(nn.Module):
         self.down = nn.Linear(config.ffn, config.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attend(x)
+        return x + self.feed_forward(self.mlp_norm(x))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention block, its residual added."""
         config = self.config
         batch, seq, hidden = x.shape
         head_dim = config.head_dim
@@ -92,10 +97,13 @@ class LlamaLayer(nn.Module):
         angles = rotary(seq, head_dim, config.rope_theta, x.device)
         q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.out(attention.transpose(1, 2).reshape(batch, seq, hidden))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.out(attention.transpose(1, 2).reshape(batch, seq, hidden))
+
+    def feed_forward(self, normed: torch.Tensor) -> torch.Tensor:
+        """The MLP (SwiGLU) of the normalized hidden states."""
+        gate, up = self.gate_up(normed).chunk(2, dim=-1)
         start_offload(gate, up, offload_base_tensor=True)  # one copy of the fused output
-        return x + self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate) * up)
 
 
 class Llama(nn.Module):

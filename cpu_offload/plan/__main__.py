@@ -12,16 +12,17 @@ from typing import Any
 from ..cli import Parser, at_least, int_in, output_file, plot_file, positive_float
 from ..models import DTYPES
 from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
-from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
-from .census import ATTENTIONS, measure_layer
+from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES
+from .census import ATTENTIONS, LayerProfile, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
+from .module_search import ModuleSearch
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
 from .profiles import PROFILES, get_profile, with_flops
 from .schedule_model import PlanRow
 
 GIB = 2**30
-PLAN_PRESETS = ["tiny", "llama8b-layer"]
+PLAN_PRESETS = ["tiny", "llama8b-layer", "mixtral8x7b-layer", "tiny-moe"]
 GPT_LAYERS = 32  # the stack a --gpt layer is planned in, unless --layers says otherwise
 
 
@@ -68,6 +69,18 @@ def parser() -> Parser:
         type=positive_float,
         default=None,
         help="GiB of saved activations: also choose keep/offload/checkpoint per layer",
+    )
+    parser.add_argument(
+        "--modules",
+        nargs="+",
+        metavar="NAME[=keep|offload]",
+        default=None,
+        help="offload_layers' modules=: names alone offload those and keep the rest",
+    )
+    parser.add_argument(
+        "--per-module",
+        action="store_true",
+        help="with --memory-budget: also try keeping parts of each offloaded layer (modules=)",
     )
     parser.add_argument(
         "--json", metavar="PATH", type=output_file, help="also write the plan as JSON"
@@ -185,7 +198,15 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
     layer = dataclasses.asdict(plan.layer)
     for measured in (layer, layer["following"]):
         if measured is not None:  # the long lists stay out: their totals are there
-            for key in ("saved", "forward_kernels", "backward_kernels", "recompute_kernels"):
+            for key in (
+                "saved",
+                "forward_kernels",
+                "backward_kernels",
+                "recompute_kernels",
+                "saved_by_module",
+                "saved_by_kind",
+                "forward_sites",
+            ):
                 measured.pop(key)
     return {
         "description": description,
@@ -279,6 +300,23 @@ def draw_policy(axes: Any, policy: Sequence[str]) -> None:
     axes.legend(ncol=4, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.6))
 
 
+def modules_argument(items: Sequence[str]) -> dict[str, str] | list[str]:
+    """``--modules a b`` (a list: offload those, keep the rest) or ``--modules a=keep``."""
+    if not any("=" in item for item in items):
+        return list(items)
+    pairs = [item.split("=", 1) if "=" in item else [item, "offload"] for item in items]
+    return {name: choice for name, choice in pairs}
+
+
+def print_saved_by(profile: LayerProfile) -> None:
+    """One layer's saved bytes by submodule and by kind of operation (MiB)."""
+    for title, table in (("submodule", profile.saved_by_module), ("kind", profile.saved_by_kind)):
+        cells = ", ".join(f"{name or '(layer)'} {n / 2**20:.0f}" for name, n in table.items())
+        print(f"saved per {title} (MiB): {cells}")
+    kept = profile.kept_by_reason.get(KEPT_BY_MODULES, 0)
+    print(f"modules= keeps {kept / 2**20:.0f} MiB per layer on the device")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
@@ -306,15 +344,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.memory_budget is not None and num_layers > 64:
         print(f"searching policies of {num_layers} layers: a minute or more ...", flush=True)
-    profile = measure_layer(
-        spec.make_layer,
-        spec.inputs,
-        kwargs=spec.kwargs,
-        min_offload_numel=args.min_offload_numel,
-        attention=args.attention,
-        description=spec.description,
-    )
+    if args.per_module and (args.memory_budget is None or args.modules):
+        cli.error(
+            "--per-module: chooses modules= with the policy for a memory budget; pass "
+            "--memory-budget GiB and leave out --modules"
+        )
+    modules = modules_argument(args.modules) if args.modules else None
     budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
+    per_module = None
+    if args.per_module and budget is not None:
+        measure = dict(kwargs=spec.kwargs, min_offload_numel=args.min_offload_numel)
+        measure |= dict(attention=args.attention, description=spec.description)
+        search = ModuleSearch(spec.make_layer, spec.inputs, num_layers, device, **measure)
+        per_module = search.choose(budget)
+        print(per_module.summary())
+    try:
+        profile = (
+            per_module.profile
+            if per_module and per_module.profile
+            else measure_layer(
+                spec.make_layer,
+                spec.inputs,
+                kwargs=spec.kwargs,
+                min_offload_numel=args.min_offload_numel,
+                attention=args.attention,
+                description=spec.description,
+                modules=modules,
+            )
+        )
+    except ValueError as error:
+        if modules is None:
+            raise
+        cli.error(f"--modules: {error}")
+    if modules is not None:
+        print_saved_by(profile)
     plan = plan_offload(
         profile,
         num_layers,
@@ -325,7 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_plan(plan, spec.description)
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(to_json(plan, spec.description), file, indent=2)
+            document = to_json(plan, spec.description)
+            if per_module is not None:
+                document["per_module"] = per_module.to_json()
+            json.dump(document, file, indent=2)
     if args.plot:
         why = write_plot(plan, args.plot)
         print(f"plot: {why}" if why else f"plot written to {args.plot}")

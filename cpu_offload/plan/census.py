@@ -23,9 +23,11 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from ..device_kernels import ATTENTIONS, DeviceKernels
 from ..kernel_costs import kernel_cost
 from ..layer_discovery import primary_tensor
+from ..module_choices import resolve_modules
 from ..policy import checkpoint_hazards
-from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, PARAMETER, kept_because
+from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES, PARAMETER, kept_because
 from ..tensor_group import TensorGroup, TensorGroupProcessor
+from .module_census import Where, attention_site, saved_by
 
 __all__ = ["ATTENTIONS", "LayerProfile", "measure_layer"]
 
@@ -68,6 +70,13 @@ class LayerProfile:
         recompute_kernels: the kernels a checkpointed layer runs again in backward: its
             forward's up to its last saved tensor (non-reentrant checkpointing stops
             there: ``torch.utils.checkpoint``'s early stop).
+        saved_by_module, saved_by_kind: ``saved_bytes`` split by the innermost submodule
+            that saved each storage (``""``: the layer's own code) and by the kind of
+            operation that made it (``"matmul"``, ``"attention"``, ``"norm"``,
+            ``"elementwise"``, ``"input"``).
+        forward_sites: per forward kernel, ``(submodule path, kind)`` of the operation
+            that launched it: FLOPs and recompute cost per part
+            (:func:`~cpu_offload.plan.module_census.costs_by`).
     """
 
     saved_bytes: int
@@ -90,14 +99,20 @@ class LayerProfile:
     forward_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
     backward_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
     recompute_kernels: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    saved_by_module: dict[str, int] = field(default_factory=dict, repr=False)
+    saved_by_kind: dict[str, int] = field(default_factory=dict, repr=False)
+    forward_sites: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
 
 class _Kernels(TorchDispatchMode):
-    """Records ``(flops, bytes)`` of every kernel launched inside it."""
+    """Records ``(flops, bytes)`` of every kernel launched inside it; with ``where``,
+    the submodule and kind of operation of each (``sites``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: Where | None = None) -> None:
         super().__init__()
         self.kernels: list[tuple[int, int]] = []
+        self.sites: list[tuple[str, str]] = []
+        self.where = where
         self.at_last_save = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -106,6 +121,8 @@ class _Kernels(TorchDispatchMode):
         cost = kernel_cost(func, args, kwargs, out)
         if cost is not None:
             self.kernels.append(cost)
+            if self.where is not None:
+                self.sites.append(self.where.site(func))
         return out
 
 
@@ -114,13 +131,18 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def _record(saved: list[torch.Tensor], kernels: _Kernels | None = None) -> Iterator[None]:
+def _record(
+    saved: list[torch.Tensor], kernels: _Kernels | None = None, where: Where | None = None
+) -> Iterator[None]:
     """Record what autograd saves; with ``kernels``, how many kernels had run at the
-    last save (``LayerProfile.recompute_kernels``)."""
+    last save (``LayerProfile.recompute_kernels``); with ``where``, the submodules each
+    was saved in."""
 
     def pack(tensor: Any) -> Any:
         if isinstance(tensor, torch.Tensor):
             saved.append(tensor)
+            if where is not None:
+                where.note()
         if kernels is not None:
             kernels.at_last_save = len(kernels.kernels)
         return tensor
@@ -138,6 +160,7 @@ def measure_layer(
     attention: str = "flash",
     fused_dropout: bool = True,
     description: str = "",
+    modules: object = None,
 ) -> LayerProfile:
     """Measure what one layer saves and how many FLOPs it runs, without memory.
 
@@ -153,6 +176,8 @@ def measure_layer(
         fused_dropout: dropout as GPUs and NPUs run it (a 1-byte mask saved); False for
             the CPU's, which saves the scaled mask in the input's dtype.
         description: carried into the profile.
+        modules: ``offload_layers``'s ``modules=``: what it keeps is counted as kept
+            (reason ``"modules= keep"``), as an offloaded layer with those choices keeps it.
 
     Returns:
         A :class:`LayerProfile`.
@@ -187,10 +212,14 @@ def measure_layer(
                 inputs[index] = value.detach().requires_grad_()
     saved: list[torch.Tensor] = []
     mode = DeviceKernels(attention, fused_dropout)
-    forward_kernels, backward_kernels = _Kernels(), _Kernels()
-    recording = _record(saved, forward_kernels)
+    where = Where(layer)
+    forward_kernels, backward_kernels = _Kernels(where), _Kernels()
+    recording = _record(saved, forward_kernels, where)
     with FlopCounterMode(display=False) as forward_counter, mode, recording, forward_kernels:
-        output = layer(*inputs, **(kwargs or {}))
+        with where.recording():
+            output = layer(*inputs, **(kwargs or {}))
+    choices, rest = resolve_modules([layer], modules, "measure_layer") if modules else ([{}], "")
+    keep = where.kept(choices[0], rest) if modules else None
     primary = primary_tensor(output)
     if primary is None or primary.grad_fn is None:
         raise ValueError(
@@ -203,9 +232,10 @@ def measure_layer(
     extra_backward = sum(sdpa_backward_flop_count(q, q, k, v) for q, k, v in mode.uncounted)
     if mode.uncounted:  # attention kernels without a FLOP formula: their FLOPs on top
         forward_kernels.kernels.append((extra_forward, 0))
+        forward_kernels.sites.append(attention_site(forward_kernels.sites))
         backward_kernels.kernels.append((extra_backward, 0))
     profile = LayerProfile(
-        **_census(saved, inputs, layer, min_offload_numel),
+        **_census(saved, inputs, layer, min_offload_numel, keep),
         forward_flops=forward_counter.get_total_flops() + extra_forward,
         backward_flops=backward_counter.get_total_flops() + extra_backward,
         attention=attention,
@@ -215,13 +245,19 @@ def measure_layer(
         forward_kernels=forward_kernels.kernels,
         backward_kernels=backward_kernels.kernels,
         recompute_kernels=forward_kernels.kernels[: forward_kernels.at_last_save],
+        forward_sites=forward_kernels.sites,
     )
+    activations = _activation_storages(saved, layer)
+    profile.saved_by_module, profile.saved_by_kind = saved_by(saved, where, activations)
 
     def run(chained: list[Any]) -> tuple[dict[str, Any], Any]:
         saved_again: list[torch.Tensor] = []
-        with DeviceKernels(attention, fused_dropout), _record(saved_again):
-            result = layer(*chained, **(kwargs or {}))
-        return _census(saved_again, chained, layer, min_offload_numel), result
+        again = Where(layer)
+        with DeviceKernels(attention, fused_dropout), _record(saved_again, where=again):
+            with again.recording():
+                result = layer(*chained, **(kwargs or {}))
+        kept = again.kept(choices[0], rest) if modules else None
+        return _census(saved_again, chained, layer, min_offload_numel, kept), result
 
     profile.following, profile.unpredictable = _following_layers(profile, inputs, output, run)
     return profile
@@ -307,20 +343,44 @@ def _following_layers(
 
 
 def _census(
-    saved: list[torch.Tensor], inputs: list[Any], layer: torch.nn.Module, min_numel: int
+    saved: list[torch.Tensor],
+    inputs: list[Any],
+    layer: torch.nn.Module,
+    min_numel: int,
+    keep: list[bool] | None = None,
 ) -> dict[str, Any]:
     """The census fields of a :class:`LayerProfile`: what the layer saves, and what it
     keeps saved when checkpointed (its positional tensor inputs)."""
     checkpointed = _classify([t for t in inputs if isinstance(t, torch.Tensor)], layer, min_numel)
-    return _classify(saved, layer, min_numel) | {
+    return _classify(saved, layer, min_numel, keep) | {
         "input_bytes": checkpointed["saved_bytes"],
         "input_offloaded_bytes": checkpointed["offloaded_bytes"],
         "input_tensors_offloaded": checkpointed["tensors_offloaded"],
     }
 
 
-def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int) -> dict[str, Any]:
-    """The byte and copy fields of a :class:`LayerProfile` for these saved tensors."""
+def _activation_storages(saved: list[torch.Tensor], layer: torch.nn.Module) -> set[int]:
+    """The storages among ``saved`` that are activations (no parameter, buffer or cast
+    of a weight)."""
+    excluded = {_storage_key(t) for t in (*layer.parameters(), *layer.buffers())}
+    device = torch.device("meta")
+    return {
+        _storage_key(t)
+        for t in saved
+        if _storage_key(t) not in excluded
+        and not isinstance(t, torch.nn.Parameter)
+        and kept_because(t, device, 0) != PARAMETER
+    }
+
+
+def _classify(
+    saved: list[torch.Tensor],
+    layer: torch.nn.Module,
+    min_numel: int,
+    keep: list[bool] | None = None,
+) -> dict[str, Any]:
+    """The byte and copy fields of a :class:`LayerProfile` for these saved tensors;
+    ``keep``: per tensor, whether ``modules=`` keeps it."""
     weights = {_storage_key(p) for p in layer.parameters()}
     buffers = {_storage_key(b) for b in layer.buffers()}
     device = torch.device("meta")
@@ -328,7 +388,7 @@ def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int)
     kept: dict[int, str] = {}  # storage -> why it stays
     group = TensorGroup()
     rows = []
-    for tensor in saved:
+    for index, tensor in enumerate(saved):
         key = _storage_key(tensor)
         if isinstance(tensor, torch.nn.Parameter) or key in weights:
             reason: str | None = PARAMETER
@@ -336,6 +396,8 @@ def _classify(saved: list[torch.Tensor], layer: torch.nn.Module, min_numel: int)
             reason = BUFFER
         else:
             reason = kept_because(tensor, device, min_numel)
+            if reason is None and keep is not None and keep[index]:
+                reason = KEPT_BY_MODULES
             if reason != PARAMETER:  # a cast of a weight (autocast) counts as a weight
                 activations[key] = tensor.untyped_storage().nbytes()
         rows.append((tuple(tensor.shape), str(tensor.dtype), reason or "offloaded"))

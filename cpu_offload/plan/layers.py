@@ -1,4 +1,5 @@
-"""Layers the planner measures: the benchmark's Llama presets, a GPT layer as in
+"""Layers the planner measures: the benchmark's Llama presets and mixtures of experts
+(``presets.py``), a GPT layer as in
 Korthikanti et al. 2022 (section 4.1), and a Hugging Face config's own decoder layer."""
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch import nn
 from ..layer_discovery import find_layers
 from ..models import DTYPES
 from ..models.llama import LlamaConfig, LlamaLayer
-from ..presets import MODEL_PRESETS
+from ..models.moe import MoeConfig, MoeLayer
+from ..presets import MODEL_PRESETS, MOE_PRESETS
 from .hf_llama import DecoderLayer, check_sizes, layer_inputs, llama_shape
 
 __all__ = ["GptLayer", "LayerSpec", "gpt_layer", "hf_layer", "preset_layer"]
@@ -38,24 +40,34 @@ class LayerSpec:
 
 
 def preset_layer(name: str, seq: int | None = None, batch: int | None = None) -> LayerSpec:
-    """One layer of a benchmark preset (``tiny``, ``llama8b-layer``)."""
-    if name not in MODEL_PRESETS or name == "hooks":
-        presets = [p for p in MODEL_PRESETS if p != "hooks"]
-        raise ValueError(f"unknown preset {name!r}: use one of {', '.join(presets)}.")
-    preset: dict[str, Any] = MODEL_PRESETS[name]
-    config = LlamaConfig(
+    """One layer of a preset: a benchmark's (``tiny``, ``llama8b-layer``) or a mixture
+    of experts (``mixtral8x7b-layer``, ``tiny-moe``: NOTE [Balanced routing])."""
+    presets = {**MODEL_PRESETS, **MOE_PRESETS}
+    if name not in presets or name == "hooks":
+        known = [p for p in presets if p != "hooks"]
+        raise ValueError(f"unknown preset {name!r}: use one of {', '.join(known)}.")
+    preset: dict[str, Any] = presets[name]
+    shapes = dict(
         hidden=preset["hidden"], heads=preset["heads"], kv_heads=preset["kv_heads"],
         ffn=preset["ffn"], layers=1,
     )  # fmt: skip
+    moe = ""
+    if "experts" in preset:
+        config: LlamaConfig = MoeConfig(**shapes, experts=preset["experts"], top_k=preset["top_k"])
+        make: Callable[[], nn.Module] = lambda: MoeLayer(config)  # type: ignore[arg-type]  # noqa: E731
+        moe = f", {preset['experts']} experts top {preset['top_k']} (balanced)"
+    else:
+        config = LlamaConfig(**shapes)
+        make = lambda: LlamaLayer(config)  # noqa: E731
     dtype = DTYPES[preset["dtype"]]
     seq, batch = seq or preset["seq"], batch or preset["batch"]
     x = torch.empty(batch, seq, config.hidden, device="meta", dtype=dtype)
     return LayerSpec(
-        lambda: LlamaLayer(config).to(dtype),
+        lambda: make().to(dtype),
         (x,),
         {},
         f"{name}: hidden {config.hidden}, heads {config.heads}/{config.kv_heads}, ffn "
-        f"{config.ffn}, seq {seq}, batch {batch}, {preset['dtype']}",
+        f"{config.ffn}{moe}, seq {seq}, batch {batch}, {preset['dtype']}",
         num_layers=preset["layers"],
     )
 

@@ -3,17 +3,14 @@ OffloadCallback: the report's totals against what the pack hooks were handed."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import pytest
 import torch
 from hosts import require
+from report_truth import Spy, assert_row_matches
 
 from cpu_offload import offload_layers
-from cpu_offload.layer_state import OffloadableLayerState
-from cpu_offload.selection import PARAMETER, kept_because
-from cpu_offload.step_report import REASONS
 
 transformers = require("transformers")
 
@@ -34,49 +31,22 @@ def llama() -> Any:
     return transformers.LlamaForCausalLM(config)
 
 
+@pytest.mark.parametrize("modules", [None, {"core_attn": "keep"}, ["qkv_linear"]])
 @pytest.mark.parametrize("threshold", [0, 4096], ids=["everything", "default-like"])
-def test_the_report_of_a_llama_step_is_what_the_hooks_got(monkeypatch, threshold):
-    saved: dict[int, list[tuple[int, str | None]]] = defaultdict(list)
-    original = OffloadableLayerState.push_tensor
-
-    def push(state: OffloadableLayerState, tensor: Any) -> Any:
-        handle = original(state, tensor)
-        if type(tensor) is torch.nn.Parameter:
-            why: str | None = PARAMETER
-        else:
-            why = kept_because(tensor, state.backend.device, threshold)
-        saved[state.layer_index].append((tensor.numel() * tensor.itemsize, why))
-        return handle
-
-    monkeypatch.setattr(OffloadableLayerState, "push_tensor", push)
+def test_the_report_of_a_llama_step_is_what_the_hooks_got(monkeypatch, threshold, modules):
+    spy = Spy(monkeypatch, threshold)
     model = llama()
-    handle = offload_layers(model, 2, min_offload_numel=threshold)
+    handle = offload_layers(model, 2, min_offload_numel=threshold, modules=modules)
     ids = torch.randint(0, VOCAB, (2, 32))
     model(input_ids=ids, labels=ids).loss.backward()
     report = handle.report()
     assert handle.found == "4 LlamaDecoderLayer at model.layers of LlamaForCausalLM"
     assert [row.counted for row in report.rows] == [True, True, False, False]
     for row in report.rows[:2]:
-        truth = saved[row.index]
-        moved = [nbytes for nbytes, why in truth if why is None]
-        kept: dict[str, list[int]] = {}
-        for nbytes, why in truth:
-            if why is not None:
-                entry = kept.setdefault(REASONS[why][1], [0, 0])
-                entry[0] += 1
-                entry[1] += nbytes
-        assert (row.saved_tensors, row.saved_bytes) == (len(truth), sum(n for n, _ in truth))
-        assert (row.moved_tensors, row.moved_bytes) == (len(moved), sum(moved))
-        assert row.kept_because == {reason: (t, b) for reason, (t, b) in kept.items()}
-    stats = handle.offload_synchronizer.stats
-    scalars = report.to_dict()
-    assert scalars["moved_tensors"] + scalars["kept_tensors"] == scalars["saved_tensors"]
-    assert scalars["moved_bytes"] + scalars["kept_bytes"] == scalars["saved_bytes"]
-    assert scalars["copied_bytes"] == stats.bytes_offloaded  # one step: the running totals
-    assert scalars["moved_tensors"] >= stats.tensors_offloaded > 0  # views, saved twice
-    if threshold:
-        assert scalars["kept_tensors/threshold"] > 0
-    handle.remove()
+        assert_row_matches(row, spy)
+    if modules is not None:  # what a submodule keeps is counted, under its own reason
+        assert report.rows[0].kept_because["kept by modules="][0] > 0
+        assert f"modules={modules!r}" in repr(handle)
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from hosts import require
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts as torch_sac
 
@@ -998,6 +999,61 @@ class Row:
 
 
 MODIFIED = "modified by an inplace operation"
+
+
+#: modules= of the Hugging Face rows: Megatron's names, a path, the rest kept or not
+MODULE_CHOICES: dict[str, Any] = {
+    "llama": {"core_attn": "keep", "mlp.down_proj": "keep"},
+    "llama, Megatron's list": ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"],
+    "mixtral": ["qkv_linear", "moe_act", "mlp.gate"],
+    "mixtral, experts kept": {"mlp.experts": "keep", "rest": "offload"},
+}
+
+
+def hugging_face_modules(kind: str, inplace: bool = False) -> Callable[[Offload], list]:
+    """offload_layers(model, k, modules=...) on a tiny Hugging Face Llama (attention
+    dropout: RNG) or Mixtral; optionally the attention's input (saved by its
+    projections, kept or moved) modified in place after the forward."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        transformers = require("transformers")
+        shapes = dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=L,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        torch.manual_seed(0)
+        if kind.startswith("llama"):
+            config = transformers.LlamaConfig(**shapes, attention_dropout=0.25)
+            model = transformers.LlamaForCausalLM(config)
+        else:
+            config = transformers.MixtralConfig(
+                **shapes, num_local_experts=4, num_experts_per_tok=2
+            )
+            model = transformers.MixtralForCausalLM(config)
+        model.train()
+        if off.k is not None:
+            modules = MODULE_CHOICES[kind]
+            handle = offload_layers(model, off.k, min_offload_numel=0, modules=modules)
+            off.handles.append(handle.context)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        inputs: list[torch.Tensor] = []
+        hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+            lambda module, args, kwargs: inputs.append(kwargs["hidden_states"]), with_kwargs=True
+        )
+        loss = model(input_ids=ids, labels=ids).loss
+        hook.remove()
+        if inplace:
+            inputs[0].mul_(2)
+        loss.backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    return program
+
+
 PROGRAMS = {
     "plain chain": Row(plain_chain),
     "a step under torch.profiler": Row(under_the_profiler),
@@ -1082,6 +1138,13 @@ PROGRAMS = {
     "SAC: offload_layers on blocks that checkpoint": Row(sac_in_offload_layers),
     "SAC: OffloadActivations around a whole forward": Row(sac_in_a_whole_forward),
     "memory_budget: measured, then planned": Row(automatic_policy((8, 8, 8))),
+    **{
+        f"modules= on Hugging Face {kind}": Row(hugging_face_modules(kind))
+        for kind in MODULE_CHOICES
+    },
+    "modules=, a kept submodule's input modified in place": Row(
+        hugging_face_modules("llama", inplace=True), match=MODIFIED
+    ),
     "memory_budget, a longer input measured again": Row(automatic_policy((8, 8, 24, 24, 8))),
     "memory_budget, a layer's input modified in place": Row(
         automatic_policy((8, 8), inplace=True), match=MODIFIED

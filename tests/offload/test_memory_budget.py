@@ -151,6 +151,33 @@ def test_a_hugging_face_llama(capsys, tmp_path):
     assert {"offload", "checkpoint+offload"} <= choices(plans)
 
 
+def test_choices_per_submodule_under_a_budget(capsys, tmp_path):
+    """modules= composes with a budget: the measured step sees what the submodules keep,
+    the plan's bytes are what then moves, every step bit-identical."""
+    transformers = require("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(small_llama_config(transformers, tmp_path))
+    ids = torch.randint(0, 128, (2, 96))  # not the Llama test's: its warnings are once per site
+    step = lambda: model(input_ids=ids, labels=ids).loss.backward()  # noqa: E731
+    options = {"min_offload_numel": 2**14, "modules": {"core_attn": "keep"}}
+    peak = keep_all_peak(model, step, **options)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # checkpointed layers run without the cache
+        plans = run_budgets(model, step, budgets_below(peak), capsys, **options)
+    assert "offload" in choices(plans)
+    measured = {}
+    for given in (None, options["modules"]):
+        handle = offload_layers(model, memory_budget="1TiB", min_offload_numel=2**14, modules=given)
+        grads_of(model, step)
+        measured[given is None] = handle.auto.measured[0]
+        handle.remove()
+    with_choices, without = measured[False], measured[True]
+    assert with_choices.saved_bytes == without.saved_bytes  # the same layer, measured
+    assert with_choices.kept_by_reason["modules= keep"] > 0
+    assert with_choices.offloaded_bytes < without.offloaded_bytes
+
+
 def test_a_model_of_dense_and_expert_layers(capsys):
     transformers = require("transformers")
     config = transformers.Qwen2MoeConfig(

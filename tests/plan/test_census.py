@@ -330,3 +330,66 @@ def test_the_table_and_the_json_show_the_layers_after_the_first(capsys):
     document = to_json(plan, "alternating")["layer"]
     assert document["following"]["input_offloaded_bytes"] == 16 * 16 * 9 * 4
     assert "saved" not in document["following"] and document["unpredictable"]
+
+
+MODULE_CHOICES = [
+    {"core_attn": "keep"},
+    ["qkv_linear", "core_attn", "attn_proj"],
+    {"self_attn.q_proj": "keep", "mlp": "keep", "mlp.down_proj": "offload"},
+    {"attn_norm": "keep", "mlp_norm": "keep", "rest": "offload"},
+]
+
+
+@pytest.mark.parametrize("modules", MODULE_CHOICES, ids=str)
+def test_module_choices_plan_the_bytes_a_real_run_moves(tmp_path, modules):
+    """offload_layers(modules=...) moves, byte for byte and copy for copy, what
+    measure_layer(modules=...) predicts; what the choices keep is counted as kept."""
+    transformers = require("transformers")
+    config = small_llama_config(transformers, tmp_path)
+    spec = hf_layer(str(tmp_path / "config.json"), 64, 2, torch.float32, "cpu")
+    whole = measure_layer(
+        spec.make_layer, spec.inputs, kwargs=spec.kwargs, min_offload_numel=0, attention="cpu"
+    )
+    layer = measure_layer(
+        spec.make_layer,
+        spec.inputs,
+        kwargs=spec.kwargs,
+        min_offload_numel=0,
+        attention="cpu",
+        modules=modules,
+    )
+    assert 0 < layer.offloaded_bytes < whole.offloaded_bytes
+    assert layer.saved_bytes == whole.saved_bytes
+    assert layer.kept_by_reason["modules= keep"] > 0
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 64))
+    handle = offload_layers(model, 2, min_offload_numel=0, modules=modules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(input_ids=ids, labels=ids).loss.backward()
+    stats = handle.offload_synchronizer.stats
+    handle.remove()
+    assert (stats.bytes_offloaded, stats.tensors_offloaded) == (
+        2 * layer.offloaded_bytes,
+        2 * layer.tensors_offloaded,
+    )
+
+
+def test_saved_bytes_per_submodule_and_kind_add_up():
+    spec = preset_layer("tiny")
+    layer = measure_layer(spec.make_layer, spec.inputs, min_offload_numel=0, attention="cpu")
+    assert sum(layer.saved_by_module.values()) == layer.saved_bytes
+    assert sum(layer.saved_by_kind.values()) == layer.saved_bytes
+    assert {"attn_norm", "mlp_norm", "down"} <= set(layer.saved_by_module)
+    assert {"matmul", "norm", "elementwise", "attention"} <= set(layer.saved_by_kind)
+    kept = measure_layer(
+        spec.make_layer,
+        spec.inputs,
+        min_offload_numel=0,
+        attention="cpu",
+        modules={"attn_norm": "keep", "mlp_norm": "keep"},
+    )
+    norms = layer.saved_by_module["attn_norm"] + layer.saved_by_module["mlp_norm"]
+    assert kept.kept_by_reason["modules= keep"] == norms
+    assert kept.offloaded_bytes == layer.offloaded_bytes - norms
