@@ -47,8 +47,16 @@ from .checkpointing import Checkpointing, checkpoint_forward
 from .layer_context import OffloadContext
 from .log import logger
 from .measured_step import MeasuredLayer, rescaled
-from .memory_budget import AUTO, REPLAN_MARGIN, auto_budget, free_device_memory, parse_memory_budget
-from .plan.policy_plan import PolicyPlan, size
+from .memory_budget import (
+    AUTO,
+    REPLAN_MARGIN,
+    auto_budget,
+    free_device_memory,
+    parse_memory_budget,
+    said_budget,
+    size,
+)
+from .plan.policy_plan import PolicyPlan
 from .plan.policy_search import PolicySearch
 from .plan.profiles import DeviceProfile
 from .plan.schedule_model import LayerCosts
@@ -281,7 +289,7 @@ class AutoPolicy:
         self.plan = plan
         self.synchronizer.schedule([j for j, c in enumerate(plan.policy) if c in OFFLOADED])
         self._checkpoint(plan.policy)
-        said = "'auto'" if self.memory_budget == AUTO else size(int(self.memory_budget))
+        said = said_budget(self.memory_budget)
         announce(f"cpu_offload: {self.api}(memory_budget={said}): {plan.line()}")
         if not plan.fits:
             warn_once_per_call_site(

@@ -80,7 +80,13 @@ class ChunkEngine(OffloadEngine):
         """``forward`` has ended: measure memory now, and report it as a step when its
         graph goes (after its backward has freed its saved tensors)."""
         forward.record.end_of_forward = self.measure_end_of_forward()
-        weakref.finalize(forward, self.end_step, forward.record).atexit = False
+        weakref.finalize(forward, self._graph_gone, forward.record).atexit = False
+
+    def _graph_gone(self, record: StepRecord) -> None:
+        """A forward's graph has gone: it was a step if a backward ran through it (a
+        forward whose graph was dropped, evaluation with grad on, replaces nothing)."""
+        if record.backward_ran:
+            self.end_step(record)
 
     def report(self, policy: Sequence[str] | None = None) -> StepReport:
         """What the last completed step did, per chunk (NOTE [What a step is] in

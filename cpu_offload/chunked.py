@@ -242,7 +242,12 @@ class ChunkedOffload:
                 run.copying.release_activation_forward_gpu_memory()
             self._move_a_large_last_chunk(run)
             self._warn_if_nothing_moved(run)
-        if run.record is not None and run.saved:  # a step: reported when its graph goes
+        if exc_type is None and run.record is not None and run.saved:
+            # A step, reported when its graph goes, if a backward ran through it: the
+            # first pop of each chunk says so; where nothing was pushed to move, nothing
+            # tells, and it is reported anyway.
+            if not (run.bytes_before or run.chunk_bytes):
+                run.record.record.backward_ran = True
             self.offload_synchronizer.end_forward(run.record)
         # (after an exception the partial graph owns the chunks, and frees them with it)
         run.hooks = False
@@ -266,8 +271,13 @@ class ChunkedOffload:
                 lease = entry[1]
                 if lease.layer is chunk:
                     return chunk.push_tensor(tensor)
-                chunk.saves.moved += 1  # its data went with the earlier chunk's
-                chunk.saves.moved_bytes += nominal_bytes(tensor)
+                saves = chunk.saves  # its data went with the earlier chunk's, or stayed
+                if lease.layer.went_to_host(lease, entry[2]):
+                    saves.moved += 1
+                    saves.moved_bytes += nominal_bytes(tensor)
+                else:  # the host cap kept it there
+                    saves.capped += 1
+                    saves.capped_bytes += nominal_bytes(tensor)
                 return SharedHandle(lease, entry[2])
         if self._full(run) and self._moves(tensor):
             chunk = self._close_chunk()  # a full chunk closes at the next tensor that moves
@@ -308,15 +318,17 @@ class ChunkedOffload:
         if run.record is None:  # pragma: no cover
             raise CpuOffloadError("cpu_offload internal error: a chunk outside a forward.")
         state = self.offload_synchronizer.new_chunk(run.record)
-        if after is not None:
-            previous = weakref.ref(after)  # the graph owns chunks; a chunk only points back
+        record = run.record.record
+        # the graph owns chunks; a chunk only points back
+        previous = weakref.ref(after) if after is not None else None
 
-            def prefetch() -> None:
-                chunk = previous()
-                if chunk is not None:
-                    _prefetch(chunk)
+        def first_pop() -> None:
+            record.backward_ran = True
+            chunk = previous() if previous is not None else None
+            if chunk is not None:
+                _prefetch(chunk)
 
-            state.on_first_pop = prefetch
+        state.on_first_pop = first_pop
         run.chunk, run.chunk_bytes = state, 0
         return state
 
@@ -358,35 +370,42 @@ class ChunkedOffload:
             return  # (chunks closed and moved nothing: max_host_bytes refused them, and says so)
         engine.warn_if_nothing_moved = False  # once
         name = type(self).__name__
-        if run.chunk_bytes:
-            why = (
-                f"its offloadable tensors ({run.chunk_bytes / 2**20:.2f} MiB) fit in one "
-                "chunk, the last, which stays on the device because backward needs it first"
-                + (
-                    f". Pass a chunk_bytes under {self.chunk_bytes} to move them."
-                    if self.chunk_bytes is not None
-                    else " (a forward that saves one tensor large enough to move moves nothing)."
-                )
-            )
-        else:
-            limits = [
-                f"{name}={value} {unit}"
-                for name, value, unit in (
-                    ("min_offload_numel", engine.min_offload_numel, "elements"),
-                    (self.bytes_threshold_name, engine.min_offload_bytes, "bytes"),
-                )
-                if value
-            ]
-            why = (
-                f"none of the {run.saved} tensors it saved can move: each is "
-                + (f"under {' or '.join(limits)}, " if limits else "")
-                + "a parameter or a view of one, marked not to offload, not dense, or not "
-                f"on {engine.backend.device}"
-                + (". Lower the threshold to move smaller tensors." if limits else ".")
-            )
+        why = _why_nothing_moved(run, engine, self.chunk_bytes, self.bytes_threshold_name)
         warn(
             f"cpu_offload: {name} moved nothing to the host in a forward: {why} This "
             "warning is shown once.",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def _why_nothing_moved(
+    run: _Forward, engine: ChunkEngine, chunk_bytes: int | None, bytes_threshold_name: str
+) -> str:
+    """Why a forward under a whole-forward context moved nothing, and what to change."""
+    if run.chunk_bytes:
+        return (
+            f"its offloadable tensors ({run.chunk_bytes / 2**20:.2f} MiB) fit in one "
+            "chunk, the last, which stays on the device because backward needs it first"
+            + (
+                f". Pass a chunk_bytes under {chunk_bytes} to move them."
+                if chunk_bytes is not None
+                else " (a forward that saves one tensor large enough to move moves nothing)."
+            )
+        )
+    else:
+        limits = [
+            f"{name}={value} {unit}"
+            for name, value, unit in (
+                ("min_offload_numel", engine.min_offload_numel, "elements"),
+                (bytes_threshold_name, engine.min_offload_bytes, "bytes"),
+            )
+            if value
+        ]
+        return (
+            f"none of the {run.saved} tensors it saved can move: each is "
+            + (f"under {' or '.join(limits)}, " if limits else "")
+            + "a parameter or a view of one, marked not to offload, not dense, or not "
+            f"on {engine.backend.device}"
+            + (". Lower the threshold to move smaller tensors." if limits else ".")
         )

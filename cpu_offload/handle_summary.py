@@ -9,8 +9,7 @@ from typing import Protocol
 
 from torch import nn
 
-from .memory_budget import AUTO
-from .plan.policy_plan import size
+from .memory_budget import said_budget
 from .policy import describe_policy
 
 __all__ = ["BudgetPolicy", "found_layers", "schedule_of"]
@@ -36,7 +35,7 @@ def found_layers(layers: Sequence[nn.Module], where: str, owner: str) -> str:
 def schedule_of(policy: Sequence[str] | None, k: int | None, budget: BudgetPolicy | None) -> str:
     """The handle's schedule in words: ``"layers 0-1 offload, 2-3 keep (k=2)"``."""
     if budget is not None:
-        said = "'auto'" if budget.memory_budget == AUTO else size(int(budget.memory_budget))
+        said = said_budget(budget.memory_budget)
         chosen = budget.policy
         if chosen is None:
             return f"memory_budget={said}: the first step runs as the model does, measured"

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .autograd_hooks import top_saved_tensor_hooks
 from .eager import eager
 
 __all__ = [
@@ -151,3 +152,11 @@ def unpack_saved(handle: Any) -> Any:
     if type(handle) is Verbatim:
         return handle.obj
     return handle
+
+
+def offload_hooks_on_top() -> tuple[Any, Any] | None:
+    """The innermost saved-tensor hooks ``(pack, unpack)`` of this thread when they are an
+    offload context's (their unpack is :func:`unpack_saved`), else None: not offloaded,
+    under a checkpoint's own hooks, recomputing."""
+    top = top_saved_tensor_hooks()
+    return top if top is not None and top[1] is unpack_saved else None

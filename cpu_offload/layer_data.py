@@ -238,6 +238,14 @@ class LayerData:
         processed = TensorGroupProcessor.process_before_offload(group)
         return processed.tensor_list, processed.aux
 
+    def went_to_host(self, position: int) -> bool:
+        """Whether the tensor pushed at ``position`` has a host copy: its copies started,
+        and ``max_host_bytes`` did not keep it."""
+        if not self.stay:
+            return bool(self.host)
+        source = self.layout.source_index[position] if self.layout is not None else position
+        return self.host[source] is not None
+
     def copy_out(self, layer: CopyingLayer) -> None:
         """Queue the device-to-host copies of what was pushed on ``layer``'s offload
         stream (NOTE [Offload stream ordering])."""

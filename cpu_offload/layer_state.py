@@ -157,7 +157,7 @@ class OffloadableLayerState(LayerTransitions):
         """Take a tensor autograd saves; return what the pop will need (NOTE [Handles]).
 
         A tensor that stays is counted for the step report where the reason is known
-        (NOTE [Counting saved tensors for nearly nothing] in step_report.py), and its
+        (NOTE [Counting saved tensors for nearly nothing] in step_record.py), and its
         handle is made here rather than by ``kept_handle`` (a call per tensor saved).
         """
         if self._backward_done:

@@ -31,6 +31,8 @@ __all__ = [
     "auto_budget",
     "free_device_memory",
     "parse_memory_budget",
+    "said_budget",
+    "size",
 ]
 
 AUTO = "auto"
@@ -52,6 +54,19 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?")
+
+
+def size(nbytes: float) -> str:
+    """Bytes as a person reads them: ``"1.50 MiB"``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def said_budget(memory_budget: int | str) -> str:
+    """A parsed ``memory_budget=`` as messages say it: ``'auto'`` or ``20.00 GiB``."""
+    return "'auto'" if memory_budget == AUTO else size(int(memory_budget))
 
 
 def parse_memory_budget(value: object, api: str) -> int | str:

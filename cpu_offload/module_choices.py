@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .autograd_hooks import pop_saved_tensor_hooks, push_saved_tensor_hooks, top_saved_tensor_hooks
+from .autograd_hooks import pop_saved_tensor_hooks, push_saved_tensor_hooks
 from .checkpointing import CheckpointedForward
-from .handles import kept_handle, unpack_saved, verbatim
+from .handles import offload_hooks_on_top, unpack_saved, verbatim
 from .module_hooks import ModuleHook
 
 __all__ = [
@@ -203,22 +203,17 @@ def choice_of(enclosing: Iterable[nn.Module], choices: Mapping[nn.Module, str], 
 
 
 class KeepPack:
-    """A pack hook that keeps every tensor on the device, as a handle of the layer state
-    whose pack hook ``offload`` is (NOTE [Choices finer than a layer])."""
+    """A pack hook that keeps every tensor on the device, counted by the layer state whose
+    pack hook ``offload`` is (its ``keep_tensor``; NOTE [Choices finer than a layer])."""
 
-    __slots__ = ("offload", "state")
+    __slots__ = ("offload", "keep")
 
-    def __init__(self, offload: Callable[[Any], Any]) -> None:
+    def __init__(self, offload: Callable[[Any], Any], keep: Callable[[Any], Any]) -> None:
         self.offload = offload
-        self.state: Any = getattr(offload, "__self__", None)
+        self.keep = keep
 
     def __call__(self, tensor: Any) -> Any:
-        if not isinstance(tensor, torch.Tensor) or self.state is None:
-            return verbatim(tensor)
-        keep = getattr(self.state, "keep_tensor", None)  # a layer state counts it
-        if keep is not None:
-            return keep(tensor)
-        return kept_handle(tensor, self.state)
+        return self.keep(tensor) if isinstance(tensor, torch.Tensor) else verbatim(tensor)
 
 
 class _Pushed(threading.local):
@@ -288,14 +283,19 @@ class ModuleChoices:
     @staticmethod
     def _push(choice: str, layer: nn.Module | None) -> bool:
         """Push the hooks of ``choice`` where the offload context's are innermost."""
-        top = top_saved_tensor_hooks()
-        if top is None or top[1] is not unpack_saved:
+        top = offload_hooks_on_top()
+        if top is None:
             return False  # not offloaded, under a checkpoint, recomputing
         if layer is not None and _checkpoints_now(layer):
             return False  # the layer's choice checkpoints it: its inputs follow that
         pack = top[0]
         offload = pack.offload if type(pack) is KeepPack else pack
-        push_saved_tensor_hooks(KeepPack(offload) if choice == KEEP else offload, unpack_saved)
+        keep = getattr(getattr(offload, "__self__", None), "keep_tensor", None)
+        if keep is None:
+            return False  # not a layer state's hooks (a whole-forward context's)
+        push_saved_tensor_hooks(
+            KeepPack(offload, keep) if choice == KEEP else offload, unpack_saved
+        )
         return True
 
     def unwind(self) -> None:

@@ -65,9 +65,9 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .autograd_hooks import is_cpu_offload_enabled, top_saved_tensor_hooks
+from .autograd_hooks import is_cpu_offload_enabled
 from .errors import CpuOffloadError
-from .handles import Decomposed, SharedHandle, is_moved_handle, unpack_saved
+from .handles import Decomposed, SharedHandle, is_moved_handle, offload_hooks_on_top, unpack_saved
 from .layer_data import version_keeper
 from .log import warn
 
@@ -193,7 +193,7 @@ class OffloadingCachingMode(_ModeBase):  # type: ignore[misc]
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
         #: the offload context's (pack, unpack) hooks innermost where the checkpoint
         #: starts (NOTE [Choices finer than a layer]), or None
-        self.offload_hooks = _offload_hooks()
+        self.offload_hooks = offload_hooks_on_top()
         #: (cache key, index, op, policy) of each output to move, in order
         self.noted: list[tuple[Any, int, Any, CheckpointPolicy]] = []
 
@@ -266,12 +266,6 @@ def _pushed(cached: Any, *, pack: Any, op: Any) -> Any:
     if not (is_moved_handle(handle) or type(handle) in (Decomposed, SharedHandle)):
         return cached  # the layer keeps it on the device: so does the cache
     return OffloadedOutput(handle, cached.version, version_keeper(tensor), op)
-
-
-def _offload_hooks() -> Any:
-    """The innermost saved-tensor hooks when they are an offload context's, else None."""
-    top = top_saved_tensor_hooks()
-    return top if top is not None and top[1] is unpack_saved else None
 
 
 def _warn_saved(reason: str, op: Any, policy: CheckpointPolicy, why: str, fix: str) -> None:

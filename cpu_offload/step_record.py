@@ -94,6 +94,9 @@ class StepRecord:
         recomputed: the layers whose checkpoint recomputed in the step's backward.
         choices: the policy the step ran under, where it changes between steps (a
             memory budget's plan), else None.
+        backward_ran: whether a backward unpacked what the step's forward moved (a
+            whole-forward context's step is reported only then), or the forward moved
+            nothing (then nothing tells).
     """
 
     __slots__ = (
@@ -103,6 +106,7 @@ class StepRecord:
         "device_peak_bytes",
         "recomputed",
         "choices",
+        "backward_ran",
     )
 
     def __init__(
@@ -117,6 +121,7 @@ class StepRecord:
         self.device_peak_bytes: int | None = None
         self.recomputed: frozenset[int] | set[int] = frozenset()
         self.choices: list[str] | None = None
+        self.backward_ran = False
 
 
 def nominal_bytes(tensor: Any) -> int:

@@ -7,7 +7,9 @@ NOTE [What a step is]
     forward context (``chunked.py``), when the backward has freed the forward's saved
     tensors (with ``retain_graph=True``, when the graph goes).  With gradient
     accumulation the last micro-batch is the last step.  A forward without a backward
-    (evaluation, a dropped graph) replaces nothing for the layer API.
+    (evaluation, a dropped graph) or one that raised replaces nothing; the whole-forward
+    context knows a backward ran from the first unpack of a tensor it was handed to
+    move (a forward that moved nothing is reported when its graph goes).
 
 The counts a report is built from are taken by the hooks (``step_record.py``).
 """

@@ -92,7 +92,7 @@ class LayerTransitions:
         generation: counts push cycles (a finalizer of an older one does nothing).
         kept_fast: per tensor the cycle kept under the threshold its bytes, per
             parameter ``~bytes`` (NOTE [Counting saved tensors for nearly nothing] in
-            step_report.py); :attr:`saves` holds it with the other counts.
+            step_record.py); :attr:`saves` holds it with the other counts.
         layer_index, name, backend, offload_stream, host_buffers, stats, copy_timer:
             what the copies use (set by the subclass).
     """
@@ -246,6 +246,11 @@ class LayerTransitions:
         tensors pushed by hand."""
         data = self._data
         return self._held_lease is not None or (data is not None and data.lease() is not None)
+
+    def went_to_host(self, lease: Lease, position: int) -> bool:
+        """Whether the tensor pushed at ``position`` of ``lease``'s cycle has a host copy."""
+        data = self._data
+        return data is not None and data.lease() is lease and data.went_to_host(position)
 
     def holds_storage(self, cdata: int) -> bool:
         """Whether a tensor pushed to be offloaded, not yet copied, lives in the storage

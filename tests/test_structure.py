@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,18 @@ def test_only_device_py_calls_a_device_runtime():
     # the simulated runtime stands in for torch.cuda; the benchmark's peer row and
     # quantized/'s FP8 capability check go through device.py's helpers
     assert callers <= {"cpu_offload.testing.runtime"}, callers
+
+
+def test_importing_the_core_loads_no_package_beside_it():
+    """Packages beside the core (the planner, the benchmark, the testing tools, the
+    integrations) import the core, never the reverse: ``import cpu_offload`` loads none of
+    them (the core reaches the planner lazily, for a memory budget)."""
+    code = (
+        "import sys, cpu_offload\n"
+        "beside = ('cpu_offload.plan', 'cpu_offload.bench', 'cpu_offload.integrations')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(beside)))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert found.stdout.strip() == "[]", found.stdout

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, policy_runs
+from ..memory_budget import size
+from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, describe_policy, policy_runs
 from .schedule_model import LayerCosts, PlanRow
 
 __all__ = ["PolicyPlan", "size"]
@@ -17,14 +18,6 @@ _SHORT = {
     CHECKPOINT: "checkpoint",
     CHECKPOINT_OFFLOAD: "ckpt+offload",
 }
-
-
-def size(nbytes: float) -> str:
-    """Bytes as a person reads them: ``"1.50 MiB"``."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 @dataclass
@@ -68,10 +61,7 @@ class PolicyPlan:
 
     def runs(self) -> str:
         """The policy as runs of layers: ``"0-5 offload, 6-7 checkpoint, 8-31 keep"``."""
-        return ", ".join(
-            f"{first}-{last} {choice}" if last > first else f"{first} {choice}"
-            for first, last, choice in self.blocks()
-        )
+        return describe_policy(self.policy)
 
     def line(self) -> str:
         """One line: the runs, the predicted peak against the budget, the overhead."""

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..memory_budget import size
 from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
 from ..schedule import max_offloaded, release_point, reload_point
 from .census import LayerProfile
 from .local_search import improve, order
-from .policy_plan import PolicyPlan, size
+from .policy_plan import PolicyPlan
 from .profiles import DeviceProfile, get_profile
 from .schedule_model import LayerCosts, PlanRow, layer_costs, simulate_policy
 

@@ -94,7 +94,7 @@ def run_budgets(model, step, budgets, capsys, **options):
 
 
 def said(budget: int) -> str:
-    from cpu_offload.plan.policy_plan import size
+    from cpu_offload.memory_budget import size
 
     return size(budget)
 

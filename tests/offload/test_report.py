@@ -7,6 +7,7 @@ whole-forward context's pack hook), each tensor classified by ``selection.kept_b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -214,6 +215,53 @@ def test_the_host_cap_is_a_reason_to_stay():
     assert capped == (stats.tensors_kept_by_host_cap, stats.bytes_kept_by_host_cap) != (0, 0)
     assert report.to_dict()["kept_tensors/host_cap"] == stats.tensors_kept_by_host_cap
     assert report.moved_tensors + report.kept_tensors == report.saved_tensors == 3 * 3
+
+
+def test_a_tensor_saved_again_after_the_host_cap_kept_it_counts_as_kept():
+    """A tensor saved in a later chunk is counted where its first save went: kept there by
+    max_host_bytes, it is kept (not moved) in the later chunk too."""
+    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
+    for cap in (None, 20_000):
+        ctx = ChunkedOffload(chunk_bytes=64 * 64 * 4, min_offload_numel=0, max_host_bytes=cap)
+        x = torch.randn(64, 64, requires_grad=True)
+        with pytest.warns() if cap else contextlib.nullcontext(), ctx:
+            h = x.sin()
+            d = ((h @ weights[0]).cos() @ weights[1]).tanh() @ weights[2]
+            loss = (d * h).sum()  # h again, three chunks later
+        loss.backward()
+        del loss
+        report = ctx.report()
+        stats = ctx.offload_synchronizer.stats
+        capped = report.kept_because.get("over max_host_bytes", (0, 0))[0]
+        if cap is None:  # the saves again count as moved, beside the copies made once
+            assert capped == 0 and report.moved_tensors > stats.tensors_offloaded
+        else:  # only the first chunk fits: the saves again of capped tensors stay
+            assert report.moved_tensors == stats.tensors_offloaded == 1
+            assert capped > stats.tensors_kept_by_host_cap > 0
+        assert report.moved_tensors + report.kept_tensors == report.saved_tensors
+
+
+def test_a_forward_dropped_or_raising_replaces_no_whole_forward_step():
+    ctx = ChunkedOffload(chunk_bytes=4096, min_offload_numel=0)
+    weight = torch.randn(64, 64, requires_grad=True)
+
+    def forward(batch: int) -> torch.Tensor:
+        h = torch.randn(batch, 64, requires_grad=True)
+        with ctx:
+            for _ in range(6):
+                h = (h @ weight).tanh()
+        return h.sum()
+
+    forward(64).backward()
+    first = ctx.report()
+    loss = forward(8)  # evaluation with grad on: its graph is dropped
+    del loss
+    with pytest.raises(ValueError, match="in the forward"), ctx:
+        (torch.randn(8, 64, requires_grad=True) @ weight).tanh()
+        raise ValueError("in the forward")
+    assert ctx.report().step == first.step and ctx.report().to_dict() == first.to_dict()
+    forward(16).backward()
+    assert ctx.report().step == first.step + 1
 
 
 @streams
