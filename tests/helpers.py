@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hosts import require
 from torch import nn
 
 from cpu_offload import OffloadableLayerState, get_cpu_offload_context
@@ -128,6 +129,65 @@ def small_llama_config(transformers: Any, path: Path) -> Any:
     )
     config.save_pretrained(path)
     return config
+
+
+#: the vocabulary of :func:`tiny_hf_model`'s models, and of the tokens fed to them
+HF_VOCAB = 128
+
+#: what a family's config needs besides the shared shapes (a mixture: 4 experts, top 2)
+_HF_FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    "Mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def tiny_hf_model(family: str = "Llama", layers: int = 4, **fields: Any) -> Any:
+    """A tiny Hugging Face ``<family>ForCausalLM`` (``"Llama"``, ``"Mixtral"``,
+    ``"Qwen2"``): vocabulary 128, hidden 64, ffn 128, 4/2 heads, ``layers`` layers and
+    any other config ``fields``; its weights drawn after ``torch.manual_seed(0)``."""
+    transformers = require("transformers")
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=HF_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **{**_HF_FAMILY_FIELDS.get(family, {}), **fields},
+    )
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``count`` rows of ``length`` random tokens (seeded), each its own labels: a
+    Hugging Face Trainer's data set."""
+
+    def __init__(self, count: int, length: int) -> None:
+        generator = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(0, HF_VOCAB, (count, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def trainer_args(output_dir: Path, **fields: Any) -> Any:
+    """``TrainingArguments`` of a short, quiet, seeded run on the CPU (2 steps of batch 2,
+    nothing saved or reported), with ``fields`` added or replaced."""
+    transformers = require("transformers")
+    defaults: dict[str, Any] = dict(
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=3,
+    )
+    return transformers.TrainingArguments(output_dir=str(output_dir), **{**defaults, **fields})
 
 
 def tiny_preset_run(min_numel: int) -> tuple[Any, Any, Any]:

@@ -31,6 +31,13 @@ CASES = [
     ("cpu_offload.bench", ["--device", "cuda"], "torch.cuda reports no available device"),
     ("cpu_offload.bench", ["--simulate", "tpu"], "--simulate tpu: unknown device profile 'tpu'"),
     ("cpu_offload.check", ["--device", "tpu"], "device='tpu' is not a device this offloader"),
+    (
+        "cpu_offload.plan.module_search",
+        ["--budgets", "-1"],
+        "--budgets: '-1': expected a number > 0",
+    ),
+    ("cpu_offload.plan.module_search", ["--presets", "huge"], "--presets: unknown preset 'huge'"),
+    ("cpu_offload.plan.module_search", ["--devices", "tpu"], "--devices: unknown device profile"),
 ]
 
 

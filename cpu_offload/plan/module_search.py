@@ -22,6 +22,8 @@ kept fractions, each one census and one search (a second or two at 32 layers).
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,11 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..cli import Parser, positive_float
 from ..module_choices import KEEP, MEGATRON_MODULES, OFFLOAD, REST, names_in
 from .census import LayerProfile, measure_layer
 from .layers import preset_layer
-from .policy_search import PolicyPlan, PolicySearch
-from .profiles import DeviceProfile, get_profile
+from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan, PolicySearch
+from .profiles import PROFILES, DeviceProfile, get_profile
 
 __all__ = ["Candidate", "ModulePlan", "ModuleSearch", "candidate_modules"]
 
@@ -204,23 +207,60 @@ def granularity_table(
     return "\n".join(lines)
 
 
+def preset_depth(text: str) -> str:
+    """An argparse type: a preset ``NAME`` or ``NAME:LAYERS``, the layers in
+    ``1..MAX_SEARCH_LAYERS`` (checked before the table is computed)."""
+    name, colon, depth = text.partition(":")
+    try:
+        preset_layer(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None  # it names the preset
+    if colon and not (depth.isdigit() and 1 <= int(depth) <= MAX_SEARCH_LAYERS):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME or NAME:LAYERS with LAYERS in 1..{MAX_SEARCH_LAYERS} "
+            f"(the policy search's limit), such as {name}:32"
+        )
+    return text
+
+
+def device_profile(text: str) -> str:
+    """An argparse type: a built-in device profile's name or a profile's JSON file."""
+    try:
+        get_profile(text)
+    except (ValueError, TypeError, OSError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None  # it names the device
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m cpu_offload.plan.module_search``: print :func:`granularity_table`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m cpu_offload.plan.module_search",
         description="Module-level against layer-level plans, a Markdown table.",
     )
     parser.add_argument(
         "--presets",
         nargs="+",
+        type=preset_depth,
+        metavar="NAME[:LAYERS]",
         default=["llama8b-layer:32", "mixtral8x7b-layer"],
-        help="NAME or NAME:LAYERS (Llama-3-8B has 32 layers)",
+        help="Llama-3-8B has 32 layers",
     )
-    parser.add_argument("--devices", nargs="+", default=["h100", "910b"])
     parser.add_argument(
-        "--budgets", nargs="+", type=float, default=[10, 20, 30, 40, 50, 60], help="GiB"
+        "--devices",
+        nargs="+",
+        type=device_profile,
+        metavar="DEVICE",
+        default=["h100", "910b"],
+        help=f"{', '.join(PROFILES)}, or a JSON file",
+    )
+    parser.add_argument(
+        "--budgets",
+        nargs="+",
+        type=positive_float,
+        metavar="GIB",
+        default=[10, 20, 30, 40, 50, 60],
+        help="GiB of saved activations",
     )
     args = parser.parse_args(argv)
     try:
@@ -231,6 +271,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())

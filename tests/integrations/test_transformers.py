@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import HF_VOCAB, Tokens, tiny_hf_model, trainer_args
 from hosts import require
 from torch.utils.checkpoint import checkpoint
 
@@ -16,27 +17,15 @@ from cpu_offload.layer_discovery import find_layers
 
 transformers = require("transformers")
 
-VOCAB = 128
-
 
 def llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_hf_model("Llama", 4, max_position_embeddings=64)
 
 
 def gpt2():
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64
+        vocab_size=HF_VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -51,7 +40,7 @@ def gradients(model, offload: bool):
     model.train()
     handle = offload_layers(model, 2, min_offload_numel=0) if offload else None
     torch.manual_seed(1)
-    ids = torch.randint(0, VOCAB, (2, 32))
+    ids = torch.randint(0, HF_VOCAB, (2, 32))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no warning from cpu_offload either
         warnings.filterwarnings("ignore", message=".*(deprecated|is_gradient_checkpointing).*")
@@ -73,18 +62,6 @@ def test_offload_layers_finds_the_layers_of_real_models(build):
     handle.remove()
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, count: int = 16, length: int = 24) -> None:
-        generator = torch.Generator().manual_seed(2)
-        self.ids = torch.randint(0, VOCAB, (count, length), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-
 class Recorder(transformers.TrainerCallback):
     """What the offload callback holds at each step."""
 
@@ -98,21 +75,9 @@ class Recorder(transformers.TrainerCallback):
 
 def train(tmp_path, callbacks):
     model = llama()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        seed=3,
-    )
+    args = trainer_args(tmp_path, gradient_accumulation_steps=2, logging_strategy="no")
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=Tokens(), callbacks=callbacks
+        model=model, args=args, train_dataset=Tokens(16, 24), callbacks=callbacks
     )
     trainer.train()
     return model
@@ -202,17 +167,7 @@ def test_hugging_face_gradient_checkpointing_offloads_the_checkpoint_inputs():
 
 
 def qwen2():
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.Qwen2ForCausalLM(config)
+    return tiny_hf_model("Qwen2", 4, max_position_embeddings=64)
 
 
 POLICIES = {
@@ -230,7 +185,7 @@ def policy_step(model, policy, padded: bool):
     model.zero_grad(set_to_none=True)
     handle = offload_layers(model, policy=policy, min_offload_numel=0) if policy else None
     torch.manual_seed(1)
-    ids = torch.randint(0, VOCAB, (2, 16))
+    ids = torch.randint(0, HF_VOCAB, (2, 16))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding
     with warnings.catch_warnings(record=True) as caught:
@@ -307,7 +262,7 @@ def test_the_cache_warning_is_shown_once_per_handle_and_not_without_a_cache():
     model = gpt2()
     model.train()
     handle = offload_layers(model, policy=POLICIES["mixed"], min_offload_numel=0)
-    ids = torch.randint(0, VOCAB, (2, 16))
+    ids = torch.randint(0, HF_VOCAB, (2, 16))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):

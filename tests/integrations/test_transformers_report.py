@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import HF_VOCAB, Tokens, tiny_hf_model, trainer_args
 from hosts import require
 from report_truth import Spy, assert_row_matches
 
@@ -14,21 +15,9 @@ from cpu_offload import offload_layers
 
 transformers = require("transformers")
 
-VOCAB = 128
-
 
 def llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_hf_model("Llama", 4, max_position_embeddings=64)
 
 
 @pytest.mark.parametrize("modules", [None, {"core_attn": "keep"}, ["qkv_linear"]])
@@ -37,7 +26,7 @@ def test_the_report_of_a_llama_step_is_what_the_hooks_got(monkeypatch, threshold
     spy = Spy(monkeypatch, threshold)
     model = llama()
     handle = offload_layers(model, 2, min_offload_numel=threshold, modules=modules)
-    ids = torch.randint(0, VOCAB, (2, 32))
+    ids = torch.randint(0, HF_VOCAB, (2, 32))
     model(input_ids=ids, labels=ids).loss.backward()
     report = handle.report()
     assert handle.found == "4 LlamaDecoderLayer at model.layers of LlamaForCausalLM"
@@ -47,18 +36,6 @@ def test_the_report_of_a_llama_step_is_what_the_hooks_got(monkeypatch, threshold
     if modules is not None:  # what a submodule keeps is counted, under its own reason
         assert report.rows[0].kept_because["kept by modules="][0] > 0
         assert f"modules={modules!r}" in repr(handle)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, count: int = 8, length: int = 16) -> None:
-        generator = torch.Generator().manual_seed(2)
-        self.ids = torch.randint(0, VOCAB, (count, length), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
 class Later(transformers.TrainerCallback):
@@ -76,20 +53,9 @@ def test_a_trainer_logs_the_report_under_cpu_offload_keys(tmp_path):
 
     callback, later = OffloadCallback(2, min_offload_numel=0), Later()
     assert repr(callback) == "OffloadCallback(2, min_offload_numel=0; not training)"
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=3,
-    )
+    args = trainer_args(tmp_path, logging_steps=1)
     trainer = transformers.Trainer(
-        model=llama(), args=args, train_dataset=Tokens(), callbacks=[callback, later]
+        model=llama(), args=args, train_dataset=Tokens(8, 16), callbacks=[callback, later]
     )
     trainer.train()
     training_logs = [entry for entry in trainer.state.log_history if "loss" in entry]

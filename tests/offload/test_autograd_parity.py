@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from hosts import require
+from helpers import tiny_hf_model
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts as torch_sac
 
@@ -1016,24 +1016,10 @@ def hugging_face_modules(kind: str, inplace: bool = False) -> Callable[[Offload]
     projections, kept or moved) modified in place after the forward."""
 
     def program(off: Offload) -> list[torch.Tensor]:
-        transformers = require("transformers")
-        shapes = dict(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=L,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-        torch.manual_seed(0)
         if kind.startswith("llama"):
-            config = transformers.LlamaConfig(**shapes, attention_dropout=0.25)
-            model = transformers.LlamaForCausalLM(config)
+            model = tiny_hf_model("Llama", L, attention_dropout=0.25)
         else:
-            config = transformers.MixtralConfig(
-                **shapes, num_local_experts=4, num_experts_per_tok=2
-            )
-            model = transformers.MixtralForCausalLM(config)
+            model = tiny_hf_model("Mixtral", L)
         model.train()
         if off.k is not None:
             modules = MODULE_CHOICES[kind]

@@ -7,40 +7,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import tiny_hf_model
 from hosts import require
 
 from cpu_offload import offload_layers
 from cpu_offload.module_choices import KEEP, OFFLOAD, resolve_modules
-
-
-def tiny_llama(layers: int = 3):
-    transformers = require("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
-
-
-def tiny_mixtral(layers: int = 3):
-    transformers = require("transformers")
-    config = transformers.MixtralConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(config)
 
 
 def paths(layer, choices):
@@ -49,7 +20,7 @@ def paths(layer, choices):
 
 
 def test_megatron_names_on_a_hugging_face_llama_layer():
-    layer = tiny_llama().model.layers[0]
+    layer = tiny_hf_model("Llama", 3).model.layers[0]
     (choices,), rest = resolve_modules([layer], ["qkv_linear", "attn_norm", "mlp_norm"])
     assert rest == KEEP
     assert paths(layer, choices) == {
@@ -62,7 +33,7 @@ def test_megatron_names_on_a_hugging_face_llama_layer():
 
 
 def test_core_attn_is_the_attention_without_its_projections():
-    layer = tiny_llama().model.layers[0]
+    layer = tiny_hf_model("Llama", 3).model.layers[0]
     (choices,), rest = resolve_modules([layer], {"core_attn": KEEP, "attn_proj": OFFLOAD})
     assert rest == OFFLOAD
     assert paths(layer, choices) == {
@@ -75,7 +46,7 @@ def test_core_attn_is_the_attention_without_its_projections():
 
 
 def test_mixtral_and_torchtune_layouts():
-    layer = tiny_mixtral().model.layers[0]
+    layer = tiny_hf_model("Mixtral", 3).model.layers[0]
     (choices,), _ = resolve_modules([layer], {"moe_act": KEEP, "mlp.gate": KEEP})
     assert paths(layer, choices) == {"mlp.experts.act_fn": KEEP, "mlp.gate": KEEP}
     models = require("torchtune.models.llama3")
@@ -91,7 +62,7 @@ def test_mixtral_and_torchtune_layouts():
 
 
 def test_an_unknown_name_lists_what_the_layer_has():
-    model = tiny_llama()
+    model = tiny_hf_model("Llama", 3)
     with pytest.raises(ValueError, match="offload_layers: modules= names 'expert_fc1'") as info:
         offload_layers(model, 1, modules={"expert_fc1": OFFLOAD})
     message = str(info.value)
@@ -111,11 +82,11 @@ def test_an_unknown_name_lists_what_the_layer_has():
 )
 def test_bad_modules(modules, error, match):
     with pytest.raises(error, match=f"offload_layers: .*{match}"):
-        offload_layers(tiny_llama(), 1, modules=modules)
+        offload_layers(tiny_hf_model("Llama", 3), 1, modules=modules)
 
 
 def grads_and_stats(modules, **kwargs):
-    model = tiny_llama()
+    model = tiny_hf_model("Llama", 3)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     handle = offload_layers(model, min_offload_numel=0, modules=modules, **kwargs)
     with warnings.catch_warnings():

@@ -125,6 +125,54 @@ def test_the_table_command_runs_on_a_small_case(capsys):
         granularity_table(["tiny:x"], ["h100"], [1])
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budgets", "10", "-1"], "argument --budgets: '-1': expected a number > 0"),
+        (["--budgets", "0"], "argument --budgets: '0': expected a number > 0"),
+        (["--budgets", "x"], "argument --budgets: 'x': expected a number > 0"),
+        (
+            ["--presets", "tiny", "huge"],
+            "argument --presets: unknown preset 'huge': use one of tiny, llama8b-layer, "
+            "mixtral8x7b-layer, tiny-moe.",
+        ),
+        (
+            ["--presets", "tiny:x"],
+            "argument --presets: 'tiny:x': expected NAME or NAME:LAYERS with LAYERS in 1..128 "
+            "(the policy search's limit), such as tiny:32",
+        ),
+        (["--presets", "tiny:0"], "argument --presets: 'tiny:0': expected NAME or NAME:LAYERS"),
+        (["--presets", "tiny:129"], "argument --presets: 'tiny:129': expected NAME or NAME:"),
+        (
+            ["--devices", "h100", "tpu"],
+            "argument --devices: unknown device profile 'tpu': use one of h100, h200, a100, "
+            "gh200, 910b, a JSON file",
+        ),
+    ],
+    ids=["negative", "zero", "text", "preset", "depth", "no-layers", "deep", "device"],
+)
+def test_the_table_command_refuses_bad_input_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        table_main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("python -m cpu_offload.plan.module_search: error: ")
+    assert message in lines[0]
+
+
+def test_the_table_command_names_a_bad_device_file(tmp_path, capsys):
+    path = tmp_path / "device.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        table_main(["--devices", str(path)])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"argument --devices: DeviceProfile.from_json: {path}: expected the file to be" in err
+
+
 def test_the_documented_table_is_the_commands():
     """Rows of docs/planning.md's table, computed again (one model, device and budget
     per row, to stay fast): the table is the command's output, not typed."""
