@@ -30,7 +30,7 @@ from ..backend import HostTimingEvent
 from ..device import StreamBackend, override_host_backend
 from .simulator import ComputeWatch, SimulatedBackend, SimulatedEvent, SimulatedStream
 
-__all__ = ["FLAVOURS", "SimulatedRuntime", "strict_runtime"]
+__all__ = ["FLAVOURS", "SimulatedRuntime", "SyncDebugMode", "strict_runtime"]
 
 #: runtimes the simulation can behave like
 FLAVOURS = ("cuda", "npu")
@@ -51,7 +51,31 @@ class SimulatedTimingEvent(SimulatedEvent):
     elapsed_time = HostTimingEvent.elapsed_time  # milliseconds from this event to ``end``
 
 
-class SimulatedRuntime:
+class SyncDebugMode:
+    """``torch.cuda``'s sync debug mode, for a modeled runtime of a ``flavour``: a
+    synchronizing operation warns or raises as CUDA does (NOTE [Simulated runtime])."""
+
+    flavour: str
+    _sync_debug_mode = 0
+    #: the frames between the user's call and :meth:`_on_sync`'s warning
+    sync_warning_stacklevel = 3
+
+    def set_sync_debug_mode(self, mode: int | str) -> None:
+        self._sync_debug_mode = _SYNC_DEBUG_MODES[mode] if isinstance(mode, str) else mode
+
+    def get_sync_debug_mode(self) -> int:
+        return self._sync_debug_mode
+
+    def _on_sync(self, what: str) -> None:
+        if self.flavour != "cuda" or self._sync_debug_mode == 0:
+            return  # torch_npu reports synchronisations to its C++ log only
+        message = f"called a synchronizing CUDA operation ({what})"
+        if self._sync_debug_mode == 2:
+            raise RuntimeError(message)
+        warnings.warn(message, UserWarning, stacklevel=self.sync_warning_stacklevel)
+
+
+class SimulatedRuntime(SyncDebugMode):
     """The parts of ``torch.cuda`` (or ``torch.npu``) that StreamBackend uses.
 
     Args:
@@ -67,7 +91,6 @@ class SimulatedRuntime:
         self.flavour = flavour
         self.sim = sim if sim is not None else SimulatedBackend()
         self.sim.contiguous_copies_only = flavour == "npu"
-        self._sync_debug_mode = 0
 
     # -- streams and events
     def Stream(self, device: Any = None, priority: int = 0) -> SimulatedStream:  # noqa: N802
@@ -116,21 +139,6 @@ class SimulatedRuntime:
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         return None
-
-    # -- sync debug mode
-    def set_sync_debug_mode(self, mode: int | str) -> None:
-        self._sync_debug_mode = _SYNC_DEBUG_MODES[mode] if isinstance(mode, str) else mode
-
-    def get_sync_debug_mode(self) -> int:
-        return self._sync_debug_mode
-
-    def _on_sync(self, what: str) -> None:
-        if self.flavour != "cuda" or self._sync_debug_mode == 0:
-            return  # torch_npu reports synchronisations to its C++ log only
-        message = f"called a synchronizing CUDA operation ({what})"
-        if self._sync_debug_mode == 2:
-            raise RuntimeError(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
 
     def backend(self) -> StreamBackend:
         """A :class:`StreamBackend` on this runtime, offloading CPU tensors."""

@@ -26,7 +26,6 @@ NOTE [Modeled accelerator]
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -39,6 +38,7 @@ from ..device_profiles import DeviceProfile, get_profile
 from ..kernel_costs import ALIASES, kernel_cost, memory_bytes, storage_id, tensors_in
 from .clocks import Timeline
 from .device_memory import DeviceMemory, MemoryMark
+from .runtime import FLAVOURS, SyncDebugMode
 from .simulator import ComputeWatch, SimulatedBackend, SimulatedEvent
 from .timed_report import TimedReport
 from .timed_streams import TimedEvent, TimedStream
@@ -46,11 +46,10 @@ from .timed_streams import TimedEvent, TimedStream
 __all__ = ["OpTiming", "TimedRuntime", "timed_runtime"]
 
 aten = torch.ops.aten
-_SYNC_DEBUG_MODES = {"default": 0, "warn": 1, "error": 2}
 _META = torch.device("meta")
 
 
-class TimedRuntime:
+class TimedRuntime(SyncDebugMode):
     """The parts of ``torch.cuda`` (or ``torch.npu``) that StreamBackend uses, modeled.
 
     Args:
@@ -60,6 +59,8 @@ class TimedRuntime:
         record: log every kernel, copy and wait (for traces and plots).
     """
 
+    sync_warning_stacklevel = 4  # the copy's call is one frame deeper
+
     def __init__(
         self,
         profile: DeviceProfile,
@@ -67,7 +68,7 @@ class TimedRuntime:
         strict: SimulatedBackend | None = None,
         record: bool = True,
     ) -> None:
-        if flavour not in ("cuda", "npu"):
+        if flavour not in FLAVOURS:
             raise ValueError(f"TimedRuntime: flavour must be 'cuda' or 'npu', got {flavour!r}.")
         self.profile = profile
         self.flavour = flavour
@@ -80,7 +81,6 @@ class TimedRuntime:
         self.memory = DeviceMemory(self.timeline, self.clocks)
         self.compute = self._stream("compute", True, strict.compute if strict else None)
         self.current = self.compute
-        self._sync_debug_mode = 0
 
     def _stream(self, name: str, is_compute: bool, inner: Any) -> TimedStream:
         stream = TimedStream(self, self.timeline.new_stream(name, is_compute), inner)
@@ -154,21 +154,6 @@ class TimedRuntime:
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         self.memory.peak_since_reset = self.memory.allocated
-
-    # -- sync debug mode
-    def set_sync_debug_mode(self, mode: int | str) -> None:
-        self._sync_debug_mode = _SYNC_DEBUG_MODES[mode] if isinstance(mode, str) else mode
-
-    def get_sync_debug_mode(self) -> int:
-        return self._sync_debug_mode
-
-    def _on_sync(self, what: str) -> None:
-        if self.flavour != "cuda" or self._sync_debug_mode == 0:
-            return  # torch_npu reports synchronisations to its C++ log only
-        message = f"called a synchronizing CUDA operation ({what})"
-        if self._sync_debug_mode == 2:
-            raise RuntimeError(message)
-        warnings.warn(message, UserWarning, stacklevel=4)
 
     def backend(self) -> StreamBackend:
         """A :class:`StreamBackend` on this runtime, with pinned host buffers."""
