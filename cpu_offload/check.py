@@ -33,7 +33,7 @@ from .bench.measure import measure_ceiling
 from .cli import Parser, device, output_file
 from .context import get_cpu_offload_context
 from .copy_timer import CopyTimer
-from .device import device_name, get_backend
+from .device import deterministic_algorithms, device_name, get_backend
 from .models.gpt import Block
 from .testing import strict_runtime
 
@@ -132,6 +132,22 @@ def check_gradients(
     ks: Sequence[int] = range(1, LAYERS),
 ) -> CheckResult:
     """Gradients with k offloaded layers, ``torch.equal`` to those without offload."""
+    with deterministic_algorithms():
+        try:
+            return _compare_gradients(backend, name, make, ks)
+        except RuntimeError as error:
+            if "deterministic" not in str(error):
+                raise
+            reason = str(error).splitlines()[0]
+            return CheckResult(name, NOT_RUN, f"no deterministic kernel to compare with: {reason}")
+
+
+def _compare_gradients(
+    backend: DeviceBackend,
+    name: str,
+    make: Callable[[], nn.Module] | None,
+    ks: Sequence[int],
+) -> CheckResult:
     shape = _shape(backend)
     layers = _stack(shape, backend.device, make)
     x = _input(shape, backend.device)
@@ -140,8 +156,8 @@ def check_gradients(
         return CheckResult(
             name,
             NOT_RUN,
-            "two runs without offload already differ (nondeterministic kernels); "
-            "set torch.use_deterministic_algorithms(True) to compare",
+            "two runs without offload already differ under deterministic algorithms "
+            "(a nondeterministic kernel torch does not flag)",
         )
     failures, moved = [], 0
     for k in ks:
@@ -252,8 +268,10 @@ def check_host_syncs(backend: DeviceBackend) -> CheckResult:
             else "the host backend has no device to synchronise with"
         )
         return CheckResult(name, NOT_RUN, reason)
-    status = PASS if syncs[0] == 0 else FAIL
-    return CheckResult(name, status, f"{syncs[0]} synchronising calls", {"syncs": syncs[0]})
+    if syncs[0] == 0:
+        return CheckResult(name, PASS, "0 synchronising calls", {"syncs": 0})
+    sites = ", ".join(getattr(backend, "sync_sites", [])) or "sites unknown"
+    return CheckResult(name, FAIL, f"{syncs[0]} synchronising calls ({sites})", {"syncs": syncs[0]})
 
 
 def check_quantized(backend: DeviceBackend, fmt: str) -> CheckResult:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import os
 import platform
 import sys
 import warnings
@@ -29,6 +30,7 @@ __all__ = [
     "StreamBackend",
     "available_device_type",
     "check_device",
+    "deterministic_algorithms",
     "device_name",
     "distributed_setup",
     "get_backend",
@@ -41,6 +43,9 @@ _STREAM_DEVICE_TYPES = ("cuda", "npu", "xpu")
 # Whether the runtime's sync debug mode warns through Python's warnings (torch_npu
 # logs them in C++ only).
 _SYNC_WARNINGS_IN_PYTHON = {"cuda": True, "npu": False, "xpu": True}
+# What the sync debug mode's warning says ("called a synchronizing CUDA operation"); not
+# its notice that the mode "does not yet detect all synchronizing operations".
+_SYNC_WARNING = "called a synchronizing"
 # Runtimes whose host<->device copies stay asynchronous only between contiguous tensors.
 _CONTIGUOUS_COPIES_ONLY = {"npu"}
 
@@ -73,6 +78,8 @@ class StreamBackend(DeviceBackend):
         self._runtime = runtime
         self.runtime_type = runtime_type or device.type
         self.pin_memory = pin_memory
+        #: where the synchronising calls of the last :meth:`count_host_syncs` came from
+        self.sync_sites: list[str] = []
         # torch_npu keeps a host<->device copy asynchronous only when both sides are
         # contiguous; otherwise it stages through pageable memory and synchronises.
         self._contiguous_copies_only = self.runtime_type in _CONTIGUOUS_COPIES_ONLY
@@ -136,7 +143,9 @@ class StreamBackend(DeviceBackend):
         ``None`` where they cannot be counted: torch_npu writes its sync warnings to
         the CANN log, never to Python.  CUDA's counter sees synchronising copies,
         ``synchronize`` and ``.item()``-like calls, but not ``cudaHostAlloc`` (a
-        pinned allocation) nor event waits.  The caller's mode is restored after.
+        pinned allocation) nor event waits.  The caller's mode is restored after, and
+        :attr:`sync_sites` holds where each counted call came from (``file:line`` of
+        the Python frame that made it).
         """
         set_mode = getattr(self._runtime, "set_sync_debug_mode", None)
         get_mode = getattr(self._runtime, "get_sync_debug_mode", None)
@@ -156,7 +165,9 @@ class StreamBackend(DeviceBackend):
                 yield count
             finally:
                 set_mode(previous)
-                count[0] = sum("synchroniz" in str(w.message) for w in caught)
+                found = [w for w in caught if _SYNC_WARNING in str(w.message)]
+                count[0] = len(found)
+                self.sync_sites = [f"{w.filename}:{w.lineno}" for w in found]
 
     def memory_allocated(self) -> int | None:
         return int(self._runtime.memory_allocated(self.device))
@@ -318,3 +329,24 @@ def supports_fp8_matmul(device: torch.device | str) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """Deterministic kernels inside the block (``torch.use_deterministic_algorithms``), so
+    that two runs of one program compare bit for bit; on CUDA, cuBLAS is given the
+    workspace setting it needs for that (``CUBLAS_WORKSPACE_CONFIG``, read when cuBLAS
+    first runs: enter the block before the process's first matrix product).  An
+    operator without a deterministic kernel raises ``RuntimeError`` inside it."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
+        if config is None:
+            del os.environ["CUBLAS_WORKSPACE_CONFIG"]

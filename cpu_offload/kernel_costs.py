@@ -24,11 +24,15 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
     "ALIASES",
     "ALLOCATIONS",
+    "ATTENTION_FLOP_FORMULAS",
+    "FLOP_FORMULAS",
+    "attention_backward_flops",
+    "attention_flops",
     "kernel_cost",
     "memory_bytes",
     "storage_id",
@@ -53,6 +57,59 @@ ALIASES = frozenset(
     {aten.detach.default, aten._unsafe_view.default, aten.alias.default, aten.lift_fresh.default}
 )
 _Tensor = torch.Tensor
+
+
+def _heads_of(query: Any, other: Any) -> tuple[int, ...]:
+    """``other``'s shape (batch, heads, sequence, width) with ``query``'s heads: grouped
+    key and value heads counted as the query heads they serve."""
+    shape = tuple(other)
+    return shape[:-3] + (tuple(query)[-3],) + shape[-2:]
+
+
+def attention_flops(query: Any, key: Any, value: Any) -> int:
+    """FLOPs of an attention forward with these shapes, grouped-query attention included
+    (torch's own formula rejects fewer key/value heads before 2.13)."""
+    return int(sdpa_flop_count(tuple(query), _heads_of(query, key), _heads_of(query, value)))
+
+
+def attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any) -> int:
+    """FLOPs of an attention backward with these shapes, grouped-query attention included."""
+    return int(
+        sdpa_backward_flop_count(
+            tuple(grad_out), tuple(query), _heads_of(query, key), _heads_of(query, value)
+        )
+    )
+
+
+def _shape(value: Any) -> Any:
+    return value.shape if isinstance(value, _Tensor) else value
+
+
+def _forward_formula(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return attention_flops(_shape(query), _shape(key), _shape(value))
+
+
+def _backward_formula(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
+) -> int:
+    return attention_backward_flops(_shape(grad_out), _shape(query), _shape(key), _shape(value))
+
+
+_forward_formula._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode: as is
+_backward_formula._get_raw = True  # type: ignore[attr-defined]
+_ATTENTION = ("flash", "efficient", "cudnn")
+
+#: the fused attentions' FLOP formulas, counting grouped key and value heads on every torch
+#: version: ``FlopCounterMode(custom_mapping=ATTENTION_FLOP_FORMULAS)`` counts with them
+ATTENTION_FLOP_FORMULAS: dict[Any, Any] = {
+    **{getattr(aten, f"_scaled_dot_product_{a}_attention"): _forward_formula for a in _ATTENTION},
+    **{
+        getattr(aten, f"_scaled_dot_product_{a}_attention_backward"): _backward_formula
+        for a in _ATTENTION
+    },
+}
+#: torch's FLOP formulas by operator, with :data:`ATTENTION_FLOP_FORMULAS` in place of its own
+FLOP_FORMULAS: dict[Any, Any] = {**flop_registry, **ATTENTION_FLOP_FORMULAS}
 
 
 def storage_id(tensor: torch.Tensor) -> int | None:
@@ -120,6 +177,6 @@ def kernel_cost(
         if all(storage_id(t) in given for t in outputs):
             return None  # outputs share their inputs' memory: metadata only
     nbytes = sum(memory_bytes(t) for t in inputs) + sum(memory_bytes(t) for t in outputs)
-    formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+    formula = FLOP_FORMULAS.get(getattr(func, "_overloadpacket", None))
     flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
     return flops, nbytes

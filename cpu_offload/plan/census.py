@@ -18,10 +18,15 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..device_kernels import ATTENTIONS, DeviceKernels
-from ..kernel_costs import kernel_cost
+from ..kernel_costs import (
+    ATTENTION_FLOP_FORMULAS,
+    attention_backward_flops,
+    attention_flops,
+    kernel_cost,
+)
 from ..layer_discovery import primary_tensor
 from ..module_choices import resolve_modules
 from ..policy import checkpoint_hazards
@@ -215,7 +220,8 @@ def measure_layer(
     where = Where(layer)
     forward_kernels, backward_kernels = _Kernels(where), _Kernels()
     recording = _record(saved, forward_kernels, where)
-    with FlopCounterMode(display=False) as forward_counter, mode, recording, forward_kernels:
+    forward_counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
+    with forward_counter, mode, recording, forward_kernels:
         with where.recording():
             output = layer(*inputs, **(kwargs or {}))
     choices, rest = resolve_modules([layer], modules, "measure_layer") if modules else ([{}], "")
@@ -226,10 +232,11 @@ def measure_layer(
             "measure_layer: the layer's output has no tensor that requires grad; pass "
             "inputs that require grad or a layer with trainable parameters."
         )
-    with FlopCounterMode(display=False) as backward_counter, backward_kernels:
+    backward_counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
+    with backward_counter, backward_kernels:
         primary.backward(torch.empty_like(primary))
-    extra_forward = sum(sdpa_flop_count(q, k, v) for q, k, v in mode.uncounted)
-    extra_backward = sum(sdpa_backward_flop_count(q, q, k, v) for q, k, v in mode.uncounted)
+    extra_forward = sum(attention_flops(q, k, v) for q, k, v in mode.uncounted)
+    extra_backward = sum(attention_backward_flops(q, q, k, v) for q, k, v in mode.uncounted)
     if mode.uncounted:  # attention kernels without a FLOP formula: their FLOPs on top
         forward_kernels.kernels.append((extra_forward, 0))
         forward_kernels.sites.append(attention_site(forward_kernels.sites))

@@ -60,6 +60,37 @@ def test_host_syncs_are_counted_and_the_callers_mode_restored():
     assert runtime.modes_set == ["warn", 2] and runtime.mode == 2
 
 
+class NoticingRuntime(RecordingRuntime):
+    """torch 2.11's CUDA: setting the sync debug mode warns that it is a prototype."""
+
+    def set_sync_debug_mode(self, mode: object) -> None:
+        warnings.warn(
+            "Synchronization debug mode is a prototype feature and does not yet detect all "
+            "synchronizing operations",
+            UserWarning,
+            stacklevel=2,
+        )
+        super().set_sync_debug_mode(mode)
+
+
+def test_the_sync_debug_modes_own_notice_is_not_a_host_sync():
+    runtime = NoticingRuntime()
+    backend = StreamBackend(torch.device("cuda", 0), runtime)
+    with backend.count_host_syncs() as syncs:
+        pass
+    assert syncs == [0] and backend.sync_sites == []
+    with backend.count_host_syncs() as syncs:
+        runtime.synchronize()  # the call counted, and where it was made
+    assert syncs == [1] and backend.sync_sites == [f"{__file__}:{_line_of_sync()}"]
+
+
+def _line_of_sync() -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(test_the_sync_debug_modes_own_notice_is_not_a_host_sync)
+    return start + next(i for i, line in enumerate(lines) if "runtime.synchronize()" in line)
+
+
 def test_host_syncs_are_not_measurable_on_npu():
     runtime = RecordingRuntime()
     # torch.device("npu") exists only once torch_npu is imported: name the runtime.

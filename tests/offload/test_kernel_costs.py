@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_offload.kernel_costs import kernel_cost, memory_bytes
+from cpu_offload.kernel_costs import attention_flops, kernel_cost, memory_bytes
 
 aten = torch.ops.aten
 
@@ -41,3 +41,39 @@ def test_views_aliases_and_allocations_launch_nothing():
     flat = aten._unsafe_view.default(x, [1024])
     assert kernel_cost(aten._unsafe_view.default, (x, [1024]), {}, flat) is None
     assert kernel_cost(aten.empty.memory_format, ([8],), {}, meta(8)) is None
+
+
+def test_grouped_query_attention_counts_every_query_head():
+    # 32 query heads over 8 key/value heads: each query head does a full attention.
+    q, kv = meta(1, 32, 256, 128), meta(1, 8, 256, 128)
+    out = aten._scaled_dot_product_flash_attention(q, kv, kv)
+    flops, _ = kernel_cost(aten._scaled_dot_product_flash_attention.default, (q, kv, kv), {}, out)
+    assert flops == attention_flops(q.shape, q.shape, q.shape) == 2 * (2 * 32 * 256 * 256 * 128)
+
+
+def test_the_census_counts_grouped_attention_without_torchs_own_formula(monkeypatch):
+    # torch before 2.13 (the H100 image's 2.11) asserts on grouped heads in its formula;
+    # the census must not depend on it.
+    from torch.utils import flop_counter
+
+    from cpu_offload.models.llama import LlamaConfig, LlamaLayer
+    from cpu_offload.plan.census import measure_layer
+
+    def rejects(*args, **kwargs):
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    config = LlamaConfig(hidden=256, heads=8, kv_heads=2, ffn=512, layers=1)
+    x = meta(1, 64, 256)
+    expected = measure_layer(lambda: LlamaLayer(config).to(torch.bfloat16), x)
+    for op in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+    ):
+        monkeypatch.setitem(flop_counter.flop_registry, getattr(aten, op), rejects)
+    measured = measure_layer(lambda: LlamaLayer(config).to(torch.bfloat16), x)
+    attention = attention_flops((1, 8, 64, 32), (1, 8, 64, 32), (1, 8, 64, 32))
+    assert attention > 0 and expected.forward_flops > attention
+    assert (measured.forward_flops, measured.backward_flops) == (
+        expected.forward_flops,
+        expected.backward_flops,
+    )
