@@ -28,7 +28,9 @@ __all__ = [
 #: in launch latency than it saves in memory (256 Ki elements, 512 KiB in bf16).
 DEFAULT_MIN_OFFLOAD_NUMEL = 256 * 1024
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.abspath(__file__)
+for _ in range(__name__.count(".")):  # up to the package's root, wherever this module lies
+    _PACKAGE_DIR = os.path.dirname(_PACKAGE_DIR)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _warned_sites: set[tuple[str, int, str]] = set()
 _warned_lock = threading.Lock()
