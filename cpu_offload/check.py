@@ -28,10 +28,10 @@ from torch import nn
 
 from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 
-from .bench.measure import measure_ceiling
 from .cli import Parser, device, output_file
 from .context import get_cpu_offload_context
 from .device.backend import DeviceBackend
+from .device.link import measure_ceiling
 from .device.runtime import device_name, get_backend
 from .models.gpt import Block
 from .report.copy_timer import CopyTimer

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..device.link import measure_ceiling
 from ..device.runtime import available_device_type, device_name, get_backend
 from ..models.llama import LlamaConfig, LlamaLayer
 from .config import DTYPES, BenchConfig, parse_args
@@ -24,7 +25,7 @@ from .counting import (
     write_modes,
 )
 from .hooks import count_hook_costs, measure_hook_costs, print_counts, print_hook_costs
-from .measure import ModeResult, measure_ceiling, measure_modes
+from .measure import ModeResult, measure_modes
 from .modes import make_mode
 from .report import print_table, write_json, write_plot
 

@@ -4,7 +4,7 @@
 copies, host buffers and memory statistics (the :class:`Stream`, :class:`Event` and
 :class:`TimingEvent` protocols type what it hands out).  :class:`HostBackend` serves a
 machine without an accelerator: "device" tensors are CPU tensors and copies are
-synchronous, on the same schedule.  Accelerators are served by ``device.py``, the one
+synchronous, on the same schedule.  Accelerators are served by ``runtime.py``, the one
 module that talks to their runtimes.
 """
 
@@ -26,6 +26,7 @@ __all__ = [
     "Stream",
     "TimingEvent",
     "host_memory_available",
+    "is_dense",
 ]
 
 
@@ -261,3 +262,22 @@ def host_memory_available(meminfo: str = "/proc/meminfo") -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether the elements of ``tensor`` fill a block of memory exactly once.
+
+    Contiguous tensors and permutations of them (a transposed SDPA output, say)
+    are dense; such a tensor is copied with its own strides, exactly.
+    """
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s != 1),
+        key=lambda pair: pair[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

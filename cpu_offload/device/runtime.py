@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from ..hooks.tensor_group import is_dense
-from .backend import DeviceBackend, Event, HostBackend, Stream, TimingEvent
+from .backend import DeviceBackend, Event, HostBackend, Stream, TimingEvent, is_dense
 
 __all__ = [
     "StreamBackend",

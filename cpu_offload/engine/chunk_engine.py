@@ -1,6 +1,7 @@
 """The engine of a whole-forward context (``chunked.py``): its forwards and their chunks.
 
-A :class:`ChunkEngine` is an :class:`~cpu_offload.engine.offload_engine.OffloadEngine` whose layer states
+A :class:`ChunkEngine` is an :class:`~cpu_offload.engine.offload_engine.OffloadEngine`
+whose layer states
 are the chunks of forwards (:class:`ChunkedForward`); it keeps the forwards whose graphs
 are alive, weakly, and reports a forward as a step when its graph has gone (NOTE [What a
 step is] in step_report.py).

@@ -10,9 +10,10 @@ from types import FrameType
 
 import torch
 
+from ..device.backend import is_dense
 from ..log import logger
 from .marks import TensorMarks, is_marked_not_offload, marks_of
-from .tensor_group import AUTO_BASE_MAX_RATIO, is_dense, offloads_through_base
+from .tensor_group import AUTO_BASE_MAX_RATIO, offloads_through_base
 
 __all__ = [
     "DEFAULT_MIN_OFFLOAD_NUMEL",

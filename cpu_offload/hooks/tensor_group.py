@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 
+from ..device.backend import is_dense
 from .marks import TensorMarks, marks_of
 
 __all__ = [
@@ -20,7 +21,6 @@ __all__ = [
     "GroupLayout",
     "TensorGroup",
     "TensorGroupProcessor",
-    "is_dense",
     "offloads_through_base",
 ]
 
@@ -74,25 +74,6 @@ class GroupLayout:
 
     views: list[ViewSpec | None]
     source_index: list[int]
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether the elements of ``tensor`` fill a block of memory exactly once.
-
-    Contiguous tensors and permutations of them (a transposed SDPA output, say)
-    are dense; such a tensor is copied with its own strides, exactly.
-    """
-    if tensor.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(
-        ((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s != 1),
-        key=lambda pair: pair[1],
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def offloads_through_base(tensor: torch.Tensor, marks: TensorMarks | None = None) -> bool:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..bench.measure import measure_ceiling
+from ..device.link import measure_ceiling
 from ..engine.layer_context import OffloadContext
 from ..hooks.selection import warn_once_per_call_site
 from ..log import logger
