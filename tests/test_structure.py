@@ -230,7 +230,7 @@ def test_only_device_py_calls_a_device_runtime():
             ):
                 callers.add(name)
     # the simulated runtime stands in for torch.cuda; the benchmark's peer row and
-    # quantized/'s FP8 capability check go through device.py's helpers
+    # quantized/'s FP8 capability check go through device/runtime.py's helpers
     assert callers <= {"cpu_offload.testing.runtime"}, callers
 
 
