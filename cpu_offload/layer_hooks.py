@@ -12,23 +12,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .autograd_hooks import checkpoint_forward_active, forward_inside_backward
-from .checkpointing import checkpoint_forward
 from .context import get_cpu_offload_context
+from .engine.layer_context import OffloadContext
+from .engine.schedule import max_offloaded, resolve_count
 from .errors import CpuOffloadError
-from .handle_summary import found_layers, schedule_of
-from .layer_context import OffloadContext
-from .layer_discovery import locate_layers, primary_tensor
+from .hooks.autograd_hooks import checkpoint_forward_active, forward_inside_backward
+from .hooks.marking import mark_not_offload
+from .hooks.module_hooks import ModuleHook, call_running
 from .log import logger, warn
-from .marking import mark_not_offload
-from .module_choices import ModuleChoices, resolve_modules
-from .module_hooks import ModuleHook, call_running
-from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
-from .schedule import max_offloaded, resolve_count
-from .step_report import StepReport
+from .policy.checkpointing import checkpoint_forward
+from .policy.handle_summary import found_layers, schedule_of
+from .policy.layer_discovery import locate_layers, primary_tensor
+from .policy.module_choices import ModuleChoices, resolve_modules
+from .policy.policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
+from .report.step_report import StepReport
 
 if TYPE_CHECKING:
-    from .auto_policy import AutoPolicy
+    from .plan.auto_policy import AutoPolicy
     from .plan.policy_plan import PolicyPlan
 
 __all__ = ["OffloadLayersHandle", "offload_layers"]
@@ -52,7 +52,7 @@ class OffloadLayersHandle:
             (nothing is offloaded, nothing checkpointed); a forward pass must not span
             a change.
         forwards_seen: the layer forwards the hooks have seen while enabled.
-        auto: with ``memory_budget=``, the :class:`~cpu_offload.auto_policy.AutoPolicy`
+        auto: with ``memory_budget=``, the :class:`~cpu_offload.plan.auto_policy.AutoPolicy`
             that measures, chooses and watches the policy (else None).
         found: the layers and where (``"4 LlamaDecoderLayer at model.layers"``).
         policy, k: each layer's choice, and the ``k`` it came from (None: a policy);
@@ -259,36 +259,13 @@ def offload_layers(
     layers, where = locate_layers(model)
     manual = bool(options.get("manual_synchronization", False))
     owner = type(model).__name__
-    given = [x for x in (num_offloaded_layers, policy, memory_budget) if x is not None]
-    if len(given) != 1:
-        raise TypeError(
-            "offload_layers: pass either num_offloaded_layers (k) or policy=[...] or "
-            f"memory_budget=..., {'not both' if given else 'got neither'}."
-        )
-    if not layers:
-        raise ValueError(
-            f"offload_layers: {owner} holds no layers, so there is nothing to offload; pass "
-            "the model's decoder layers (a non-empty list or ModuleList)."
-        )
-    if "offloaded_layers" in options:
-        chooser = "policy=[...]" if policy is not None else f"k={num_offloaded_layers!r}"
-        chooser = "memory_budget=..." if memory_budget is not None else chooser
-        raise TypeError(
-            f"offload_layers: offloaded_layers= and {chooser} both choose the layers to "
-            "offload; pass one: policy=[...] with 'offload' (or 'checkpoint+offload') at "
-            "the layers to offload, and 'keep' elsewhere."
-        )
-    if "copy_bandwidth" in options and memory_budget is None:
-        raise TypeError(
-            "offload_layers: copy_bandwidth= is the link the memory_budget= plan assumes; "
-            "pass it with memory_budget=..., or leave it out."
-        )
+    _check_arguments(layers, owner, num_offloaded_layers, policy, memory_budget, options)
     per_layer = resolve_modules(layers, modules) if modules is not None else None
     checkpointed: list[nn.Module] = []
     chosen: list[str] = []
     count, auto = 0, None
     if memory_budget is not None:
-        from .auto_policy import modules_budget_context  # the planner, when it is asked for
+        from .plan.auto_policy import modules_budget_context  # the planner, when it is asked for
 
         context, auto = modules_budget_context(model, layers, memory_budget, **options)
         result: tuple[Any, ...] = (context, context.sync_fn)
@@ -325,6 +302,72 @@ def offload_layers(
     positions: dict[int, list[int]] = {}  # module id -> its positions in the list
     for position, layer in enumerate(layers):
         positions.setdefault(id(layer), []).append(position)
+    pre_hook, post_hook = _forward_hooks(handle, len(layers), positions, count)
+    unique = list({id(layer): layer for layer in layers}.values())  # a shared module once
+    for layer in unique:
+        handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
+        handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
+    # Inside the hooks: see NOTE [Checkpoint inside the offload context]
+    warned: set[str] = set()  # once per handle
+    for m in checkpointed:
+        noted = functools.partial(synchronizer.recorder.note_recompute, *positions[id(m)])
+        request = checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned, noted)
+        handle._hooks.append(request)
+    if checkpointed:
+        warn_checkpoint_hazards(layers, chosen)
+    if per_layer is not None:  # after the layer hooks (NOTE [Choices finer than a layer])
+        handle.modules = ModuleChoices(layers, *per_layer, chosen, given=modules)
+    if count > 0 or auto is not None:
+        handle._watch_for_missed_forwards(unique)
+    if auto is not None:
+        auto.attach(lambda: handle.enabled)  # after the hooks above: its pre-hook runs last
+    logger.info("offload_layers: %r", handle)
+    return handle
+
+
+def _check_arguments(
+    layers: list[nn.Module],
+    owner: str,
+    num_offloaded_layers: int | float | None,
+    policy: Sequence[str] | None,
+    memory_budget: int | str | None,
+    options: dict[str, Any],
+) -> None:
+    """``offload_layers``' arguments that cannot go together, or choose nothing."""
+    given = [x for x in (num_offloaded_layers, policy, memory_budget) if x is not None]
+    if len(given) != 1:
+        raise TypeError(
+            "offload_layers: pass either num_offloaded_layers (k) or policy=[...] or "
+            f"memory_budget=..., {'not both' if given else 'got neither'}."
+        )
+    if not layers:
+        raise ValueError(
+            f"offload_layers: {owner} holds no layers, so there is nothing to offload; pass "
+            "the model's decoder layers (a non-empty list or ModuleList)."
+        )
+    if "offloaded_layers" in options:
+        chooser = "policy=[...]" if policy is not None else f"k={num_offloaded_layers!r}"
+        chooser = "memory_budget=..." if memory_budget is not None else chooser
+        raise TypeError(
+            f"offload_layers: offloaded_layers= and {chooser} both choose the layers to "
+            "offload; pass one: policy=[...] with 'offload' (or 'checkpoint+offload') at "
+            "the layers to offload, and 'keep' elsewhere."
+        )
+    if "copy_bandwidth" in options and memory_budget is None:
+        raise TypeError(
+            "offload_layers: copy_bandwidth= is the link the memory_budget= plan assumes; "
+            "pass it with memory_budget=..., or leave it out."
+        )
+
+
+def _forward_hooks(
+    handle: OffloadLayersHandle, num_layers: int, positions: dict[int, list[int]], count: int
+) -> tuple[ModuleHook, ModuleHook]:
+    """The forward pre- and post-hook of every layer: enter the layer in the context (a
+    skipped layer, or a forward started over, said so), leave it and pass its output's
+    first tensor through ``sync_fn``."""
+    context, sync_fn = handle.context, handle.sync_fn
+    synchronizer = handle.offload_synchronizer
 
     def enter(module: nn.Module, args: Any) -> None:
         if not handle.enabled:
@@ -343,7 +386,7 @@ def offload_layers(
             handle._warn_inside_checkpoint(module)
         current = synchronizer.current_pass
         expected = current.layers_forwarded if current is not None else 0
-        if expected >= len(layers):
+        if expected >= num_layers:
             expected = 0
         mine = positions[id(module)]
         handle._enter_call(module)
@@ -371,25 +414,4 @@ def offload_layers(
 
     # Compiled layers run the hooks eagerly, around the compiled forward: the saved-
     # tensor hooks they enter apply to the compiled graph's saved tensors at run time.
-    pre_hook = ModuleHook(torch.compiler.disable(enter))
-    post_hook = ModuleHook(torch.compiler.disable(leave))
-    unique = list({id(layer): layer for layer in layers}.values())  # a shared module once
-    for layer in unique:
-        handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
-        handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
-    # Inside the hooks: see NOTE [Checkpoint inside the offload context]
-    warned: set[str] = set()  # once per handle
-    for m in checkpointed:
-        noted = functools.partial(synchronizer.recorder.note_recompute, *positions[id(m)])
-        request = checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned, noted)
-        handle._hooks.append(request)
-    if checkpointed:
-        warn_checkpoint_hazards(layers, chosen)
-    if per_layer is not None:  # after the layer hooks (NOTE [Choices finer than a layer])
-        handle.modules = ModuleChoices(layers, *per_layer, chosen, given=modules)
-    if count > 0 or auto is not None:
-        handle._watch_for_missed_forwards(unique)
-    if auto is not None:
-        auto.attach(lambda: handle.enabled)  # after the hooks above: its pre-hook runs last
-    logger.info("offload_layers: %r", handle)
-    return handle
+    return ModuleHook(torch.compiler.disable(enter)), ModuleHook(torch.compiler.disable(leave))

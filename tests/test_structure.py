@@ -11,7 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cpu_offload", "quantized")
-CORE_MODULE_LINES, CLASS_LINES = 450, 250
+CORE_MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 450, 250, 100
+#: the offloader's mechanism, one folder per concept (docs/design.md)
+MECHANISM = ("device", "hooks", "report", "engine", "policy")
+#: the packages beside the core: they import it, it reaches them lazily if at all
+BESIDE = ("plan", "bench", "testing", "models", "integrations")
+TOP_LEVEL_MODULES, FOLDER_MODULES = 12, 15
 
 
 def _modules() -> dict[str, Path]:
@@ -85,22 +90,136 @@ def test_no_import_cycle():
     assert cycles == []
 
 
-@pytest.mark.parametrize("name", [n for n in MODULES if n.count(".") == 1], ids=str)
+def _in_core(name: str) -> bool:
+    """The top level of cpu_offload and its mechanism folders."""
+    parts = name.split(".")
+    return parts[0] == "cpu_offload" and (
+        MODULES[name].parent.name == "cpu_offload" or parts[1] in MECHANISM
+    )
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if n.count(".") == 1 or _in_core(n)], ids=str)
 def test_modules_and_classes_are_small(name):
     path = MODULES[name]
     source = path.read_text()
-    if name.startswith("cpu_offload.") and path.parent.name == "cpu_offload":
+    if _in_core(name):
         assert len(source.splitlines()) <= CORE_MODULE_LINES, f"{name} is a core module"
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             assert node.end_lineno - node.lineno + 1 <= CLASS_LINES, f"{name}.{node.name}"
 
 
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines, its docstring left out."""
+    lines = node.end_lineno - node.lineno + 1
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        if isinstance(first.value.value, str):
+            lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def test_no_function_is_longer_than_100_lines():
+    long = [
+        f"{name}.{node.name}: {_code_lines(node)} lines"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and _code_lines(node) > FUNCTION_LINES
+    ]
+    assert long == []
+
+
+def _folders() -> list[Path]:
+    return sorted(p.parent for p in (ROOT / "cpu_offload").glob("*/__init__.py"))
+
+
+def test_the_top_level_holds_the_entry_points():
+    top = sorted(p.name for p in (ROOT / "cpu_offload").glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MODULES, top
+
+
+def test_the_mechanism_is_in_folders_of_at_most_15_modules():
+    folders = [p.name for p in _folders()]
+    assert sorted(folders) == sorted(MECHANISM + BESIDE), "a new folder: add it above"
+    assert len(MECHANISM) >= 4
+    for folder in _folders():
+        modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= FOLDER_MODULES, f"{folder.name}: {sorted(modules)}"
+
+
+def _unit(name: str) -> str | None:
+    """What a module of cpu_offload belongs to: its folder, or itself at the top level."""
+    parts = name.split(".")
+    if parts[0] != "cpu_offload":
+        return None
+    return parts[1] if len(parts) > 1 else "cpu_offload"
+
+
+def _unit_graph() -> dict[str, set[str]]:
+    """Folders and top-level modules, and which of them each imports (lazily too)."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in _graph().items():
+        unit = _unit(name)
+        if unit is not None:
+            graph.setdefault(unit, set()).update(
+                t for t in map(_unit, targets) if t is not None and t != unit
+            )
+    return graph
+
+
+def _may_import(folder: Path) -> set[str]:
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    paragraph = doc.partition("May import:")[2].split("\n\n")[0]
+    assert paragraph, f"{folder.name}/__init__.py: no 'May import:' paragraph"
+    names = {n.strip() for n in paragraph.replace("\n", " ").rstrip(" .").split(",")}
+    return names - {"nothing"}
+
+
+@pytest.mark.parametrize("folder", _folders(), ids=lambda p: p.name)
+def test_every_folder_says_what_it_holds_and_what_it_may_import(folder):
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    assert len(doc.split("May import:")[0].split()) >= 8, f"{folder.name}: what does it hold?"
+    allowed = _may_import(folder)
+    units = {p.name for p in _folders()} | {
+        p.stem for p in (ROOT / "cpu_offload").glob("*.py") if p.name != "__init__.py"
+    }
+    assert allowed <= units, f"{folder.name} names what is not there: {allowed - units}"
+    imported = _unit_graph().get(folder.name, set())
+    assert imported <= allowed, f"{folder.name} imports {sorted(imported - allowed)}"
+
+
+def test_folders_import_one_another_without_cycles():
+    graph, cycles = _unit_graph(), []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(unit: str, path: list[str]) -> None:
+        state[unit] = 1
+        for other in sorted(graph.get(unit, ())):
+            if state.get(other) == 1:
+                cycles.append(path[path.index(other) :] + [other])
+            elif other not in state:
+                visit(other, [*path, other])
+        state[unit] = 2
+
+    for unit in sorted(graph):
+        if unit not in state:
+            visit(unit, [unit])
+    assert cycles == []
+
+
+def test_nothing_that_runs_during_training_imports_the_benchmark():
+    """The benchmark measures the offloader; the offloader never needs it (the link's
+    measurement is the device's: ``device/link.py``)."""
+    importers = sorted(u for u, targets in _unit_graph().items() if "bench" in targets)
+    assert importers == []
+
+
 def test_only_device_py_calls_a_device_runtime():
     runtimes = {"cuda", "npu", "xpu", "accelerator"}
     callers = set()
     for name, path in MODULES.items():
-        if name == "cpu_offload.device":
+        if name == "cpu_offload.device.runtime":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (
@@ -111,7 +230,7 @@ def test_only_device_py_calls_a_device_runtime():
             ):
                 callers.add(name)
     # the simulated runtime stands in for torch.cuda; the benchmark's peer row and
-    # quantized/'s FP8 capability check go through device.py's helpers
+    # quantized/'s FP8 capability check go through device/runtime.py's helpers
     assert callers <= {"cpu_offload.testing.runtime"}, callers
 
 

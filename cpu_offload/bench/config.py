@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..cli import Parser, at_least, device, int_list, output_file, plot_file, positive_float_list
-from ..device_profiles import PROFILES, get_profile
+from ..device.profiles import PROFILES, get_profile
+from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from ..models import DTYPES
-from ..presets import MODEL_PRESETS
-from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
+from ..models.presets import MODEL_PRESETS
 
 __all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
 
@@ -60,6 +60,53 @@ class BenchConfig:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_simulate(parser, args)
+    if args.count == "instructions" and args.preset != "hooks":
+        parser.error(
+            f"--count instructions: counts the hooks preset only, not --preset {args.preset}"
+        )
+    values = dict(PRESETS[args.preset])
+    for key in (
+        "hidden",
+        "heads",
+        "kv_heads",
+        "ffn",
+        "seq",
+        "batch",
+        "layers",
+        "warmup",
+        "steps",
+        "dtype",
+        "offload",
+    ):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    _check_shapes(parser, args, values)
+    offload = values.pop("offload")
+    layers = int(str(values["layers"]))
+    ks = _offloaded_ks(parser, args, offload, layers)
+    modes = _modes(parser, args, ks, layers)
+    return BenchConfig(
+        preset=args.preset,
+        threads=args.threads,
+        count=args.count,
+        offload=ks,
+        modes=modes,
+        device=args.device,
+        min_offload_numel=args.min_offload_numel,
+        ceiling_mib=args.ceiling_mib or 0,
+        json=args.json,
+        plot=args.plot,
+        simulate=args.simulate,
+        trace=args.trace,
+        memory_budget=args.memory_budget,
+        **values,  # type: ignore[arg-type]
+    )
+
+
+def _parser() -> Parser:
     parser = Parser(
         prog="python -m cpu_offload.bench",
         description="Benchmark activation offload against the peers on a Llama-like stack.",
@@ -134,31 +181,13 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         default=None,
         help="--simulate: write the modeled timelines as Chrome-trace JSON (Perfetto)",
     )
-    args = parser.parse_args(argv)
-    _check_simulate(parser, args)
-    if args.count == "instructions" and args.preset != "hooks":
-        parser.error(
-            f"--count instructions: counts the hooks preset only, not --preset {args.preset}"
-        )
-    values = dict(PRESETS[args.preset])
-    for key in (
-        "hidden",
-        "heads",
-        "kv_heads",
-        "ffn",
-        "seq",
-        "batch",
-        "layers",
-        "warmup",
-        "steps",
-        "dtype",
-        "offload",
-    ):
-        if getattr(args, key) is not None:
-            values[key] = getattr(args, key)
-    _check_shapes(parser, args, values)
-    offload = values.pop("offload")
-    layers = int(str(values["layers"]))
+    return parser
+
+
+def _offloaded_ks(
+    parser: Parser, args: argparse.Namespace, offload: object, layers: int
+) -> list[int]:
+    """The ``k`` values of the offload mode: ``--offload`` as given, else the preset's."""
     if isinstance(offload, list):  # --offload, as given
         ks = offload
         if any(not 0 < k < layers for k in ks):
@@ -170,6 +199,11 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         ks = [int(k) for k in str(offload).split(",") if k and int(k) < layers]
     if args.simulate is not None:  # every k by default; k = 0, the reference, always
         ks = sorted({0, *ks}) if isinstance(offload, list) else list(range(layers))
+    return ks
+
+
+def _modes(parser: Parser, args: argparse.Namespace, ks: list[int], layers: int) -> list[str]:
+    """``--modes``, checked, with ``offload`` one mode per ``k``."""
     modes: list[str] = []
     for mode in args.modes.split(","):
         known = mode in MODES or (mode.startswith("offload:") and mode[8:].isdigit())
@@ -184,22 +218,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
                 "is never offloaded); pass --layers 2 or more, or --modes without offload"
             )
         modes.extend(f"offload:{k}" for k in ks) if mode == "offload" else modes.append(mode)
-    return BenchConfig(
-        preset=args.preset,
-        threads=args.threads,
-        count=args.count,
-        offload=ks,
-        modes=modes,
-        device=args.device,
-        min_offload_numel=args.min_offload_numel,
-        ceiling_mib=args.ceiling_mib or 0,
-        json=args.json,
-        plot=args.plot,
-        simulate=args.simulate,
-        trace=args.trace,
-        memory_budget=args.memory_budget,
-        **values,  # type: ignore[arg-type]
-    )
+    return modes
 
 
 def _check_simulate(parser: Parser, args: argparse.Namespace) -> None:

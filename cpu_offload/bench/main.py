@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..device import available_device_type, device_name, get_backend
+from ..device.link import measure_ceiling
+from ..device.runtime import available_device_type, device_name, get_backend
 from ..models.llama import LlamaConfig, LlamaLayer
 from .config import DTYPES, BenchConfig, parse_args
 from .counting import (
@@ -24,7 +25,7 @@ from .counting import (
     write_modes,
 )
 from .hooks import count_hook_costs, measure_hook_costs, print_counts, print_hook_costs
-from .measure import ModeResult, measure_ceiling, measure_modes
+from .measure import ModeResult, measure_modes
 from .modes import make_mode
 from .report import print_table, write_json, write_plot
 
@@ -254,7 +255,7 @@ def _main_hooks(config: BenchConfig) -> int:
 
 def _main_simulate(config: BenchConfig) -> int:
     """``--simulate PROFILE``: see :mod:`cpu_offload.bench.simulate`."""
-    from ..device_profiles import get_profile
+    from ..device.profiles import get_profile
     from ..testing.trace import write_trace
     from .simulate import SimulatedRow, run_simulation
     from .simulate_report import print_simulation, write_simulation_json, write_simulation_plot

@@ -1,4 +1,5 @@
-"""Measuring one mode, and the raw copy ceiling of the link."""
+"""Measuring one mode (the raw copy ceiling of the link is measured by
+:mod:`cpu_offload.device.link`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from typing import Any
 
 import torch
 
-from ..backend import DeviceBackend
+from ..device.backend import DeviceBackend
 from .modes import Mode
 
-__all__ = ["ModeResult", "measure_ceiling", "measure_modes"]
+__all__ = ["ModeResult", "measure_modes"]
 
 
 @dataclass
@@ -152,28 +153,3 @@ def measure_modes(
             result.d2h_bytes_per_s = mode.copy_timer.bandwidth("d2h")
             result.h2d_bytes_per_s = mode.copy_timer.bandwidth("h2d")
     return [m.result for m in running]
-
-
-def measure_ceiling(backend: DeviceBackend, nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Raw pinned copies of one large buffer on a side stream: bytes per second."""
-    device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
-    host_buffer = backend.empty_host(device_buffer)
-    stream = backend.new_stream()
-    figures = {}
-    for direction, dst, src in (
-        ("d2h", host_buffer, device_buffer),
-        ("h2d", device_buffer, host_buffer),
-    ):
-        times = []
-        for _ in range(repeats + 1):
-            backend.synchronize()
-            # The buffers were allocated on the compute stream: wait for it first.
-            backend.wait_stream(stream, backend.current_stream())
-            start, end = backend.timing_event(), backend.timing_event()
-            start.record(stream)
-            backend.copy(dst, src, stream)
-            end.record(stream)
-            backend.synchronize()
-            times.append(start.elapsed_time(end))
-        figures[direction] = nbytes / (statistics.median(times[1:]) / 1e3)
-    return figures

@@ -1,1 +1,4 @@
-"""Integrations with host libraries, one module per library; each imports its library lazily."""
+"""Integrations with host libraries, one module per library; each imports its library lazily.
+
+May import: plan, policy, report, hooks, context, layer_hooks, chunked, log.
+"""

@@ -3,6 +3,10 @@ examples and the tests; not part of the offloader.
 
 - :mod:`cpu_offload.models.gpt`: a GPT-style stack of pre-norm blocks (``Block``).
 - :mod:`cpu_offload.models.llama`: a Llama-style stack (RMSNorm, RoPE, GQA, SwiGLU).
+- :mod:`cpu_offload.models.moe`: a mixture-of-experts variant of it.
+- :mod:`cpu_offload.models.presets`: named shapes the benchmark and the planner build.
+
+May import: hooks.
 """
 
 from __future__ import annotations

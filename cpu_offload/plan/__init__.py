@@ -12,6 +12,11 @@
 - ``layers.py``, ``hf_llama.py``: the layers it measures (presets, a GPT layer, a Hugging
   Face config's decoder layer, with or without transformers installed).
 - ``python -m cpu_offload.plan``: the same from the command line.
+- :class:`~cpu_offload.plan.auto_policy.AutoPolicy` (``auto_policy.py``): the plan
+  chosen for ``offload_layers(model, memory_budget=...)`` from a measured step, applied
+  and watched; the core reaches it lazily, so ``import cpu_offload`` loads no planner.
+
+May import: policy, engine, hooks, device, models, cli, log.
 """
 
 from __future__ import annotations

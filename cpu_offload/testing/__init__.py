@@ -1,4 +1,11 @@
-"""Tools to test offloading code on a machine without an accelerator."""
+"""Tools to test offloading code on a machine without an accelerator.
+
+The simulated runtime (``runtime.py``, ``simulator.py``: streams whose hazards raise) and
+the timed runtime of a modeled accelerator (``timed_device.py`` and its clocks, memory,
+streams and report), which stand in for ``torch.cuda``; public as ``cpu_offload.testing``.
+
+May import: device, errors.
+"""
 
 from __future__ import annotations
 
