@@ -666,11 +666,19 @@ def per_layer_policy(inplace: bool) -> Callable[[Offload], list]:
 BUDGETS: dict[int, tuple[int, float | None]] = {1: (700, None), 2: (1, 1e3)}
 
 
-def automatic_policy(lengths: tuple[int, ...], inplace: bool = False) -> Callable[[Offload], list]:
+def automatic_policy(
+    lengths: tuple[int, ...],
+    inplace: bool = False,
+    frozen_first: bool = False,
+    skipped_first: int | None = None,
+    failed_first: bool = False,
+) -> Callable[[Offload], list]:
     """offload_layers(memory_budget=...): a measured step, then steps under the policy
     chosen from it (dropout in checkpointed layers, recomputed with the same masks); a
     longer input measured again and planned for; optionally a layer's input modified in
-    place after the last forward."""
+    place after the last forward, layer 0 run under no_grad in every step
+    (``frozen_first``), a layer skipped in the first step (``skipped_first``: LayerDrop),
+    a first step that raises in layer 1 (``failed_first``)."""
 
     def program(off: Offload) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -680,16 +688,28 @@ def automatic_policy(lengths: tuple[int, ...], inplace: bool = False) -> Callabl
         ]
         off.budget(blocks)
         found = []
+        if failed_first:
+            h = leaf(8, 4)
+            try:
+                h = blocks[1](blocks[0](h)[:, :3])  # 3 columns into Linear(4, 4): raises
+            except RuntimeError as error:
+                found.append(torch.tensor(float("mat1 and mat2" in str(error))))
         for step, rows in enumerate(lengths):
             x = leaf(rows, 4)
             h, inputs = x * 1, []
-            for block in blocks:
+            for index, block in enumerate(blocks):
                 inputs.append(h)
-                h = block(h)
+                if step == 0 and index == skipped_first:
+                    continue
+                with torch.no_grad() if frozen_first and index == 0 else contextlib.nullcontext():
+                    h = block(h)
+            if frozen_first:
+                x.grad = torch.zeros_like(x)  # nothing flows back to x
             if inplace and step == len(lengths) - 1:
                 inputs[1].mul_(2)  # layer 1's input, saved by its first operation or checkpoint
             h.sum().backward()
-            found += [x.grad, *(p.grad.clone() for block in blocks for p in block.parameters())]
+            grads = [p.grad for block in blocks for p in block.parameters()]
+            found += [x.grad, *(torch.zeros(1) if g is None else g.clone() for g in grads)]
             for block in blocks:
                 block.zero_grad(set_to_none=True)
         return found
@@ -1134,6 +1154,15 @@ PROGRAMS = {
     "memory_budget, a longer input measured again": Row(automatic_policy((8, 8, 24, 24, 8))),
     "memory_budget, a layer's input modified in place": Row(
         automatic_policy((8, 8), inplace=True), match=MODIFIED
+    ),
+    "memory_budget, a frozen first layer under no_grad": Row(
+        automatic_policy((8, 8, 8), frozen_first=True)
+    ),
+    "memory_budget, a layer skipped in the measured step": Row(
+        automatic_policy((8, 8, 8, 8), skipped_first=1)
+    ),
+    "memory_budget, a measured step that raised": Row(
+        automatic_policy((8, 8, 8), failed_first=True)
     ),
 }
 

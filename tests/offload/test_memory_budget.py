@@ -339,8 +339,9 @@ def test_auto_is_the_free_memory_less_the_margin_and_the_gradients_to_come(monke
     free = 4 * 2**20
     monkeypatch.setattr(cpu_offload.backend, "host_memory_available", lambda: free)
     handle = offload_layers(model, memory_budget="auto", min_offload_numel=0)
-    for _ in range(2):
-        grads_of(model, lambda: model(x).sum().backward())
+    grads_of(model, lambda: model(x).sum().backward())
+    torch.optim.SGD(model.parameters(), lr=0.0).step()  # "auto" is read after one
+    grads_of(model, lambda: model(x).sum().backward())
     gradients = sum(p.numel() * 4 for p in model.parameters())  # set to None before the step
     assert handle.plan.memory_budget == int(free * 0.9) - gradients
     assert "offload_layers(memory_budget='auto')" in capsys.readouterr().out
