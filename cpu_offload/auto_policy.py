@@ -244,13 +244,14 @@ class AutoPolicy:
                 warn_once_per_call_site(
                     f"cpu_offload: {self.api}(memory_budget=...): no plan after "
                     f"{NO_PLAN_WARNING_STEPS} forward passes, so nothing is offloaded or "
-                    f"checkpointed: {self.why_no_plan}. This warning is shown once."
+                    f"checkpointed: {self.why_no_plan or 'no forward ran under the hooks'}. "
+                    "This warning is shown once."
                 )
         self.peak.start(backend, self.plan is not None)
 
     @property
     def why_no_plan(self) -> str:
-        """Why no plan is in force (while none is)."""
+        """Why no plan is in force (while none is); empty while the first step is measured."""
         if self._pending is not None:
             return (
                 "memory_budget='auto' is read after the first optimizer step (its state "

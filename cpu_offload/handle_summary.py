@@ -26,7 +26,7 @@ class BudgetPolicy(Protocol):
 
     @property
     def why_no_plan(self) -> str:
-        """Why no plan is in force (while none is)."""
+        """Why no plan is in force (while none is); empty while the first step is measured."""
 
 
 def found_layers(layers: Sequence[nn.Module], where: str, owner: str) -> str:
@@ -42,9 +42,10 @@ def schedule_of(policy: Sequence[str] | None, k: int | None, budget: BudgetPolic
         said = said_budget(budget.memory_budget)
         chosen = budget.policy
         if chosen is None:
-            return (
-                f"memory_budget={said}: no plan yet, the model runs as it is ({budget.why_no_plan})"
-            )
+            why = budget.why_no_plan
+            if not why:
+                return f"memory_budget={said}: the first step runs as the model does, measured"
+            return f"memory_budget={said}: no plan yet, the model runs as it is ({why})"
         return f"memory_budget={said}: layers {describe_policy(chosen)}"
     if policy is None:
         return "a manual controller offloads"

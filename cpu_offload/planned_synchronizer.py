@@ -105,7 +105,7 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
         #: layers not measured yet: they did not run in the measured pass
         self.unmeasured: set[int] = set()
         #: why no measurement was delivered yet (for the listener's messages)
-        self.why_unmeasured = "the first forward pass with grad enabled is measured"
+        self.why_unmeasured = ""  # the first pass is measured
         self._with_grad: set[int] = set()  # layers that started with grad enabled
         self._skipping = False
         self._ran: set[int] = set()  # the layers of the measured pass run with grad

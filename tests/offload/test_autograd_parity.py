@@ -627,6 +627,29 @@ def whole_forward_at_defaults(off: Offload) -> list[torch.Tensor]:
     return [x.grad, wq.grad, wk.grad, wv.grad]
 
 
+def whole_forward_views_in_two_chunks(modify: bool) -> Callable[[Offload], list]:
+    """OffloadActivations: ``out`` saved in one chunk, ``out.t()`` in a later one (their
+    storage moves once); optionally ``out`` changed in place between the two saves."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        ctx: Any = contextlib.nullcontext()
+        if off.k is not None:
+            ctx = OffloadActivations(min_offload_size=0, chunk_bytes=1)
+            off.handles.append(ctx)
+        x, w = leaf(8, 6), leaf(6)
+        with ctx:
+            out = (x * w).sin()
+            a = out.cos()  # saves out
+            if modify:
+                out.mul_(2)
+            b = out.t().sin()  # saves out.t(), in a later chunk
+            c = (b.cos() * 2).exp()  # later chunks: out.t()'s closes
+        (a.sum() + c.sum()).backward()
+        return [x.grad, w.grad]
+
+    return program
+
+
 #: a policy with every choice for each k the rows run at (k layers offloaded); layer 1
 #: is checkpointed and offloaded in both
 POLICIES = {
@@ -1109,6 +1132,12 @@ PROGRAMS = {
     "OffloadActivations around a whole forward": Row(whole_forward_in_chunks(False)),
     "OffloadActivations, in-place after save": Row(whole_forward_in_chunks(True), match=MODIFIED),
     "OffloadActivations at its defaults, a tensor in three chunks": Row(whole_forward_at_defaults),
+    "OffloadActivations, a tensor and its transpose in two chunks": Row(
+        whole_forward_views_in_two_chunks(False)
+    ),
+    "OffloadActivations, a tensor changed between two views' saves": Row(
+        whole_forward_views_in_two_chunks(True), match=MODIFIED
+    ),
     "whole forward, in-place then dropped, copied chunk": Row(
         whole_forward_inplace_then_dropped(1), match=MODIFIED
     ),
