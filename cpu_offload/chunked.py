@@ -38,8 +38,12 @@ NOTE [A tensor saved in several chunks]
     a loss that saves the logits again) is not copied again: the new save gets a
     handle to the copy already made, whose unpack checks the version recorded then
     (a tensor modified in place in between is pushed anew, as autograd would see two
-    versions).  Such a handle does not prefetch: the chunk it points to is reloaded
-    when its own tensors are first needed, or at once if this one comes first.
+    versions).  So is another view of the same storage (``out``, then ``out.t()``),
+    when the tensor moved first covers its whole storage densely (so its copy holds
+    every element where the storage held it): the handle rebuilds the view from the
+    copy with ``as_strided``, as a chunk rebuilds a view from its base.  Such a handle
+    does not prefetch: the chunk it points to is reloaded when its own tensors are
+    first needed, or at once if this one comes first.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from typing import Any
 
 import torch
 
+from .device.backend import is_dense
 from .engine.chunk_engine import ChunkedForward, ChunkEngine
 from .engine.layer_state import OffloadableLayerState
 from .engine.transitions import LayerState
@@ -93,6 +98,7 @@ class _Forward:
         "bytes_before",
         "copying",
         "seen",
+        "storages",
         "saved",
         "moved_before",
     )
@@ -109,8 +115,20 @@ class _Forward:
         # id(tensor) -> (weak tensor, lease, index, version): moved tensors (NOTE [A
         # tensor saved in several chunks])
         self.seen: dict[int, tuple[weakref.ref[torch.Tensor], Any, int, int]] = {}
+        # storage key -> the same, for moved tensors that cover their storage densely
+        self.storages: dict[int, tuple[weakref.ref[torch.Tensor], Any, int, int]] = {}
         self.saved = 0  # tensors saved
         self.moved_before = 0  # stats.tensors_offloaded when the forward started
+
+
+def _covers_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds every element of its storage once, from its start (so a
+    copy of it with its layout holds the storage's elements where the storage did)."""
+    return (
+        tensor.storage_offset() == 0
+        and is_dense(tensor)
+        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+    )
 
 
 def _prefetch(state: OffloadableLayerState) -> None:
@@ -252,7 +270,7 @@ class ChunkedOffload:
         # (after an exception the partial graph owns the chunks, and frees them with it)
         run.hooks = False
         run.depth_token = run.chunk = run.copying = run.record = None
-        run.seen = {}
+        run.seen, run.storages = {}, {}
 
     # -------------------------------------------------------------- chunks
 
@@ -264,28 +282,47 @@ class ChunkedOffload:
             raise CpuOffloadError("cpu_offload internal error: a push outside the context.")
         run.saved += 1
         if type(tensor) is _Tensor:
-            entry = run.seen.get(id(tensor))
-            if entry is not None and entry[0]() is tensor and entry[3] == tensor._version:
-                # Saved before: NOTE [A tensor saved in several chunks].  In the open chunk
-                # it is pushed there again (the chunk copies it once), adding no bytes.
-                lease = entry[1]
-                if lease.layer is chunk:
-                    return chunk.push_tensor(tensor)
-                saves = chunk.saves  # its data went with the earlier chunk's, or stayed
-                if lease.layer.went_to_host(lease, entry[2]):
-                    saves.moved += 1
-                    saves.moved_bytes += nominal_bytes(tensor)
-                else:  # the host cap kept it there
-                    saves.capped += 1
-                    saves.capped_bytes += nominal_bytes(tensor)
-                return SharedHandle(lease, entry[2])
+            shared = self._saved_before(run, chunk, tensor)
+            if shared is not None:
+                return shared
         if self._full(run) and self._moves(tensor):
             chunk = self._close_chunk()  # a full chunk closes at the next tensor that moves
         handle = chunk.push_tensor(tensor)
         if type(handle) is tuple and len(handle) == 2:  # moved (NOTE [Handles])
             run.chunk_bytes += tensor.numel() * tensor.element_size()
-            run.seen[id(tensor)] = (weakref.ref(tensor), handle[0], handle[1], tensor._version)
+            entry = (weakref.ref(tensor), handle[0], handle[1], tensor._version)
+            run.seen[id(tensor)] = entry
+            if _covers_its_storage(tensor):
+                run.storages[tensor.untyped_storage()._cdata] = entry
         return handle
+
+    @staticmethod
+    def _saved_before(run: _Forward, chunk: OffloadableLayerState, tensor: _Tensor) -> Any:
+        """A handle to the copy already made of ``tensor`` or of its storage (NOTE [A
+        tensor saved in several chunks]), or None: push it."""
+        view = None
+        entry = run.seen.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            entry = run.storages.get(tensor.untyped_storage()._cdata)
+            first = entry[0]() if entry is not None else None
+            if first is None or first.dtype != tensor.dtype or first.device != tensor.device:
+                return None
+            if first.untyped_storage()._cdata != tensor.untyped_storage()._cdata:
+                return None
+            view = (tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+        if entry is None or entry[3] != tensor._version:
+            return None  # changed in place since: autograd sees another version
+        lease = entry[1]
+        if lease.layer is chunk:
+            return chunk.push_tensor(tensor)  # the open chunk copies it once
+        saves = chunk.saves  # its data went with the earlier chunk's, or stayed
+        if lease.layer.went_to_host(lease, entry[2]):
+            saves.moved += 1
+            saves.moved_bytes += nominal_bytes(tensor)
+        else:  # the host cap kept it there
+            saves.capped += 1
+            saves.capped_bytes += nominal_bytes(tensor)
+        return SharedHandle(lease, entry[2], view)
 
     def _full(self, run: _Forward) -> bool:
         """Whether the open chunk closes at the next tensor that moves."""

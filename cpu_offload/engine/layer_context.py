@@ -128,11 +128,10 @@ class OffloadContext:
         synchronizer = self.offload_synchronizer
         try:
             if new_pass:
-                synchronizer.abort_forward()
+                synchronizer.start_over()
             if skipped:
                 for _ in range(skipped):
-                    synchronizer.fwd_step()
-                    synchronizer.fwd_end()
+                    synchronizer.skip_layer()
             layer, forward_pass = synchronizer.forward_step()
             forward_pass.layer_open = True
             frame.last_pass = forward_pass.weak

@@ -200,6 +200,17 @@ class OffloadSynchronizer(OffloadEngine):
             current.end_of_forward = self.measure_end_of_forward()
             self._on_forward_end(current)
 
+    def skip_layer(self) -> None:
+        """Count a layer that did not run in this forward pass (a skipped block,
+        LayerDrop) as an empty layer."""
+        self.fwd_step()
+        self.fwd_end()
+
+    def start_over(self) -> None:
+        """An earlier layer runs again between two layers: the forward in progress was
+        left behind (its last layers did not run), and the next layer starts a new pass."""
+        self.abort_forward()
+
     def abort_forward(self) -> None:
         """End the pass in progress early: the next layer's forward starts a new pass.
 

@@ -92,13 +92,20 @@ def verbatim(obj: Any) -> Any:
 class SharedHandle:
     """A handle to a tensor that another save already handed to a layer (NOTE [A tensor
     saved in several chunks] in chunked.py): it unpacks that tensor without starting
-    the layer's first-pop prefetch."""
+    the layer's first-pop prefetch, or a view of its storage rebuilt from it."""
 
-    __slots__ = ("lease", "index")
+    __slots__ = ("lease", "index", "view")
 
-    def __init__(self, lease: Lease, index: int) -> None:
+    def __init__(
+        self,
+        lease: Lease,
+        index: int,
+        view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None,
+    ) -> None:
         self.lease = lease
         self.index = index
+        #: (size, stride, storage offset) of a view of the tensor's storage, rebuilt from it
+        self.view = view
 
 
 class Decomposed:
@@ -144,7 +151,8 @@ def unpack_saved(handle: Any) -> Any:
             )
         return tensor
     if type(handle) is SharedHandle:
-        return handle.lease.layer.pop_leased(handle.lease, handle.index, False)
+        tensor = handle.lease.layer.pop_leased(handle.lease, handle.index, False)
+        return tensor if handle.view is None else tensor.as_strided(*handle.view)
     if type(handle) is Decomposed:
         components = [None if part is None else unpack_saved(part) for part in handle.parts]
         handle.obj.restore_from_saved(components)

@@ -8,20 +8,27 @@ NOTE [The automatic policy]
        step] in measured_step.py): the bytes saved, offloadable and kept (with the
        reasons), the layer's inputs, and its forward time (thread CPU time on a CPU,
        timing events on a device).
-    2. When the next pass starts (the first step, optimizer step included, is over),
-       the plan is made: each layer's costs (its measured bytes and forward time, its
-       backward assumed :data:`BACKWARD_PER_FORWARD` times its forward), the copy
+    2. When the next pass starts (the first step, optimizer step included, is over;
+       with ``"auto"``, once an optimizer step ran: NOTE [When "auto" is read] in
+       memory_budget.py), the plan is made: each layer's costs (its measured bytes and
+       forward time, its backward assumed :data:`BACKWARD_PER_FORWARD` times its forward), the copy
        bandwidth in each direction (measured once with the backend's copies, or given:
        ``copy_bandwidth=``), the budget (``"auto"`` read now: memory_budget.py), and the
        search over a policy per layer (``PolicySearch.of_layers``, NOTE [Layers that
        differ]).  No layer with checkpoint hazards is ever checkpointed.  The plan is
        applied from this pass on (the synchronizer's schedule, the checkpoint wrappers)
-       and one line is printed.
+       and one line is printed.  A layer that did not run in the measured step
+       (LayerDrop) is planned as the largest measured layer, and never checkpointed,
+       until it runs; it is measured then, and the plan is made again (NOTE [What a
+       measured pass measures] in planned_synchronizer.py).  A budget that has made no
+       plan after :data:`NO_PLAN_WARNING_STEPS` forward passes says why, once.
     3. On a device that reports memory, each step's peak (the most allocated during the
-       step, less what was allocated when it started) is compared with the predicted
-       peak.  The first time it exceeds it by more than :data:`REPLAN_MARGIN` of the
-       budget, a warning says so and the plan is made again with that excess (what the
-       event model does not count) taken off the budget.
+       step, less what was allocated when it started, less the parameters' gradients
+       the step may have allocated: the planner counts activations only) is compared
+       with the predicted peak (budget_watch.py).  The first time it exceeds it by
+       more than ``REPLAN_MARGIN`` of the budget, a warning says so and the plan is
+       made again with that excess (what the event model does not count) taken off
+       the budget.
     4. A larger input: layer 0 is observed in every pass; when it saves more than the
        plan was made for, a warning says so, the rest of that pass is measured again
        (the pass itself runs the plan made for the smaller input), and a plan for the
@@ -46,11 +53,11 @@ from ..device.link import measure_ceiling
 from ..engine.layer_context import OffloadContext
 from ..hooks.selection import warn_once_per_call_site
 from ..log import logger
+from ..policy.budget_watch import OptimizerWatch, PeakWatch
 from ..policy.checkpointing import Checkpointing, checkpoint_forward
 from ..policy.measured_step import MeasuredLayer, rescaled
 from ..policy.memory_budget import (
     AUTO,
-    REPLAN_MARGIN,
     auto_budget,
     free_device_memory,
     parse_memory_budget,
@@ -64,12 +71,7 @@ from .policy_search import PolicySearch
 from .profiles import DeviceProfile
 from .schedule_model import LayerCosts
 
-__all__ = [
-    "BACKWARD_PER_FORWARD",
-    "AutoPolicy",
-    "budget_context",
-    "modules_budget_context",
-]
+__all__ = ["BACKWARD_PER_FORWARD", "AutoPolicy", "budget_context", "modules_budget_context"]
 
 #: a layer's backward is taken to run this many times as long as its forward (its matrix
 #: products' FLOPs: the gradients of the inputs and of the weights)
@@ -78,6 +80,10 @@ BACKWARD_PER_FORWARD = 2.0
 LINK_SAMPLE_BYTES = (2**20, 64 * 2**20)
 #: why a stack given without its modules is never checkpointed
 NO_MODULES = "no module to checkpoint: the layers run in the host library's own loop"
+#: forward passes without a plan after which a budget says why it has none, once
+NO_PLAN_WARNING_STEPS = 4
+#: what a layer that did not run in the measured step cannot be (until it runs)
+NOT_MEASURED = "not measured yet (it did not run in the measured step)"
 #: the options a planned context takes (those of get_cpu_offload_context that remain)
 OPTIONS = (
     "retain_pinned_cpu_buffers",
@@ -125,7 +131,8 @@ class AutoPolicy:
             ends.
         link: the copy bandwidth (device to host, host to device), bytes per second.
         measured_peak: on a device that reports memory, the last step's peak of
-            activations (allocated above what was allocated when it started).
+            activations (allocated above what was allocated when it started, less the
+            gradients the step may have allocated).
         synchronizer: the synchronizer it schedules.
     """
 
@@ -147,13 +154,14 @@ class AutoPolicy:
         self.layers = list(layers) if layers is not None else None
         self.parameters = list(parameters)
         self.plan: PolicyPlan | None = None
-        self.measured: list[MeasuredLayer] | None = None
-        self.measured_peak: int | None = None
+        self.measured: list[MeasuredLayer | None] | None = None
         self.enabled: Callable[[], bool] = lambda: True
-        self._pending: list[MeasuredLayer] | None = None
-        self._floor: int | None = None
-        self._excess = 0
-        self._replanned = False
+        self._pending: list[MeasuredLayer | None] | None = None
+        self._passes_unplanned = 0
+        self._said_no_plan = False
+        #: with "auto": whether an optimizer of these parameters has stepped
+        self.optimizer = OptimizerWatch(self.parameters) if self.memory_budget == AUTO else None
+        self.peak = PeakWatch(api, self.parameters)
         self._checkpointing: list[Checkpointing] = []
         self._planned: set[int] = set()  # the modules the plan checkpoints
         self._warned: set[str] = set()
@@ -207,7 +215,9 @@ class AutoPolicy:
             self.synchronizer.note_inputs([a for a in args if isinstance(a, torch.Tensor)])
 
     def remove(self) -> None:
-        """Remove the input hooks and the checkpoint wrappers."""
+        """Remove the input hooks, the checkpoint wrappers and the optimizer hook."""
+        if self.optimizer is not None:
+            self.optimizer.remove()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -217,23 +227,66 @@ class AutoPolicy:
 
     # ---------------------------------------------------- what the step says
 
-    def step_starts(self) -> None:
-        self._check_peak()
-        if self._pending is not None:
-            self._make_plan()
-        self._start_peak()
+    measured_peak = property(lambda self: self.peak.measured_peak)
 
-    def forward_measured(self, layers: list[MeasuredLayer]) -> None:
+    def step_starts(self) -> None:
+        backend, plan = self.synchronizer.backend, self.plan
+        if plan is not None:
+            watch = self._pending is None
+            if self.peak.over(backend, plan.predicted.peak_bytes, plan.memory_budget, watch):
+                self._pending = self.measured
+        if self._pending is not None and (self.optimizer is None or self.optimizer.stepped):
+            self._make_plan()
+        if self.plan is None:
+            self._passes_unplanned += 1
+            if self._passes_unplanned > NO_PLAN_WARNING_STEPS and not self._said_no_plan:
+                self._said_no_plan = True
+                warn_once_per_call_site(
+                    f"cpu_offload: {self.api}(memory_budget=...): no plan after "
+                    f"{NO_PLAN_WARNING_STEPS} forward passes, so nothing is offloaded or "
+                    f"checkpointed: {self.why_no_plan or 'no forward ran under the hooks'}. "
+                    "This warning is shown once."
+                )
+        self.peak.start(backend, self.plan is not None)
+
+    @property
+    def why_no_plan(self) -> str:
+        """Why no plan is in force (while none is); empty while the first step is measured."""
+        if self._pending is not None:
+            return (
+                "memory_budget='auto' is read after the first optimizer step (its state "
+                "allocated), and no step of a torch.optim optimizer of these parameters "
+                "ran yet (give the budget in bytes, such as '20GiB', for another optimizer)"
+            )
+        return self.synchronizer.why_unmeasured
+
+    def forward_measured(self, layers: list[MeasuredLayer | None]) -> None:
         if self.measured is not None and self.plan is not None:
             checkpointed = [c in CHECKPOINTED for c in self.plan.policy]
             layers = rescaled(layers, self.measured, checkpointed)
         self.measured = self._pending = layers
+
+    def layer_measured(self, layer: int, record: MeasuredLayer) -> None:
+        if self.measured is not None:
+            self.measured = self._pending = [
+                *self.measured[:layer],
+                record,
+                *self.measured[layer + 1 :],
+            ]
+        warn_once_per_call_site(
+            f"cpu_offload: {self.api}(memory_budget=...): layer {layer}, which did not run "
+            f"in the measured step (LayerDrop, a skipped block), ran now and saved "
+            f"{size(record.saved_bytes)}; it was planned as the largest measured layer, and "
+            "the plan is made again from the next step with what it saved."
+        )
 
     def first_layer(self, layer: MeasuredLayer) -> bool:
         plan, measured = self.plan, self.measured
         if plan is None or measured is None or self._pending is not None:
             return False
         first = measured[0]
+        if first is None:
+            return False
         expected = first.input_bytes if plan.policy[0] in CHECKPOINTED else first.saved_bytes
         if layer.saved_bytes <= expected:
             return False
@@ -255,10 +308,14 @@ class AutoPolicy:
             total = auto_budget(self.synchronizer.backend, self.parameters)
         else:
             total = int(self.memory_budget)
-        return max(0, total - self._excess)
+        return max(0, total - self.peak.excess)
 
     def _make_plan(self) -> None:
-        records, self._pending = self._pending or [], None
+        found, self._pending = self._pending or [], None
+        ran = [r for r in found if r is not None]
+        stand_in = max(ran, key=lambda r: r.saved_bytes)
+        records = [r if r is not None else stand_in for r in found]
+        hazards = [h + [NOT_MEASURED] if r is None else h for h, r in zip(self.hazards, found)]
         timed = [r.forward_s for r in records if r.forward_s is not None]
         fill = sum(timed) / len(timed) if timed else 0.0
         costs = []
@@ -281,9 +338,17 @@ class AutoPolicy:
             measured = measure_ceiling(self.synchronizer.backend, sample, repeats=3)
             self.link = measured["d2h"], measured["h2d"]
         search = PolicySearch.of_layers(
-            costs, *self.link, hazards=self.hazards, modules=self.modules, names=self.names
+            costs, *self.link, hazards=hazards, modules=self.modules, names=self.names
         )
         self._apply(search.choose(self.budget()))
+        missing = [j for j, r in enumerate(found) if r is None]
+        if missing:
+            warn_once_per_call_site(
+                f"cpu_offload: {self.api}(memory_budget=...): layers {missing} did not run "
+                "in the measured step (LayerDrop, a skipped block): each is planned as the "
+                f"largest measured layer ({size(stand_in.saved_bytes)}) and not "
+                "checkpointed until it runs; it is measured then, and the plan is made again."
+            )
 
     def _apply(self, plan: PolicyPlan) -> None:
         self.plan = plan
@@ -303,38 +368,6 @@ class AutoPolicy:
         are in place: :meth:`attach`)."""
         layers = self.layers or []
         self._planned = {id(layers[j]) for j, c in enumerate(policy) if c in CHECKPOINTED}
-
-    # ------------------------------------------------- measured against predicted
-
-    def _start_peak(self) -> None:
-        backend = self.synchronizer.backend
-        allocated = backend.memory_allocated() if self.plan is not None else None
-        self._floor = allocated
-        if allocated is not None:
-            backend.reset_peak_memory_stats()
-
-    def _check_peak(self) -> None:
-        backend = self.synchronizer.backend
-        peak = backend.max_memory_allocated() if self._floor is not None else None
-        if peak is None or self.plan is None or self._floor is None:
-            return
-        self.measured_peak = measured = peak - self._floor
-        predicted = self.plan.predicted.peak_bytes
-        if self._replanned or self._pending is not None:
-            return
-        if measured <= predicted + REPLAN_MARGIN * self.plan.memory_budget:
-            return
-        self._replanned = True
-        self._excess += measured - predicted
-        warn_once_per_call_site(
-            f"cpu_offload: {self.api}(memory_budget=...): the last step's activations "
-            f"peaked at {size(measured)} above the {size(self._floor)} allocated when it "
-            f"started, {size(measured - predicted)} more than predicted (over "
-            f"{REPLAN_MARGIN:.0%} of the budget). That excess, which the plan does not count "
-            "(temporaries, gradients, the allocator's rounding), is taken off the budget and "
-            "the policy is chosen again from this step on. This warning is shown once."
-        )
-        self._pending = self.measured
 
 
 def budget_context(

@@ -24,6 +24,10 @@ class BudgetPolicy(Protocol):
     def policy(self) -> list[str] | None:
         """The plan's policy in force, None while the first step is measured."""
 
+    @property
+    def why_no_plan(self) -> str:
+        """Why no plan is in force (while none is); empty while the first step is measured."""
+
 
 def found_layers(layers: Sequence[nn.Module], where: str, owner: str) -> str:
     """``"4 LlamaDecoderLayer at model.layers of LlamaForCausalLM"``."""
@@ -38,7 +42,10 @@ def schedule_of(policy: Sequence[str] | None, k: int | None, budget: BudgetPolic
         said = said_budget(budget.memory_budget)
         chosen = budget.policy
         if chosen is None:
-            return f"memory_budget={said}: the first step runs as the model does, measured"
+            why = budget.why_no_plan
+            if not why:
+                return f"memory_budget={said}: the first step runs as the model does, measured"
+            return f"memory_budget={said}: no plan yet, the model runs as it is ({why})"
         return f"memory_budget={said}: layers {describe_policy(chosen)}"
     if policy is None:
         return "a manual controller offloads"

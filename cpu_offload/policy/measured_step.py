@@ -164,13 +164,19 @@ def measure_inputs(
 
 
 def rescaled(
-    layers: list[MeasuredLayer], before: list[MeasuredLayer], checkpointed: list[bool]
-) -> list[MeasuredLayer]:
+    layers: Sequence[MeasuredLayer | None],
+    before: Sequence[MeasuredLayer | None],
+    checkpointed: list[bool],
+) -> list[MeasuredLayer | None]:
     """A measurement taken while some layers were checkpointed: such a layer saved only
     its inputs, so its activations are those measured ``before``, scaled by its inputs;
-    a layer not timed takes its time from ``before``, scaled by its bytes."""
-    result = []
+    a layer not timed takes its time from ``before``, scaled by its bytes; a layer that
+    did not run (None) keeps what was measured ``before``."""
+    result: list[MeasuredLayer | None] = []
     for now, then, was_checkpointed in zip(layers, before, checkpointed):
+        if now is None or then is None:
+            result.append(now if now is not None else then)
+            continue
         if was_checkpointed:
             ratio = now.input_bytes / then.input_bytes if then.input_bytes else 1.0
             now = MeasuredLayer(

@@ -8,10 +8,19 @@ event model predicts (``PlanRow.peak_bytes``).
 ``"auto"`` is the device's free memory, as its runtime reports it, less a margin of
 :data:`AUTO_MARGIN` (10%) for what the event model does not count (the temporaries of a
 layer's forward and backward, the logits and the loss, the allocator's rounding), less
-the gradients still to be allocated (parameters that require grad and hold none).  It is
-read when the plan is made, at the start of the second step: after the first optimizer
-step has allocated its state.  On the CPU the "device" is the host, whose available
-memory is ``MemAvailable``.
+the gradients still to be allocated (parameters that require grad and hold none).  On the
+CPU the "device" is the host, whose available memory is ``MemAvailable``.
+
+NOTE [When "auto" is read]
+    Free memory is what is left once the optimizer's state exists, which its first
+    step allocates.  So ``"auto"`` is read when a forward pass starts after the measured
+    step and after the first step of a ``torch.optim`` optimizer (a global step post
+    hook, ``torch.optim.optimizer.register_optimizer_step_post_hook``, watches for one
+    whose parameters include the model's).  With gradient accumulation the micro-batches
+    before that step run as the measured one did (nothing offloaded); a plan is made at
+    the first micro-batch after it.  An optimizer that is not a ``torch.optim``
+    optimizer never says it stepped: after a few passes without a plan, a warning says
+    to give the budget in bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ __all__ = [
     "REPLAN_MARGIN",
     "auto_budget",
     "free_device_memory",
+    "gradients_to_come",
     "parse_memory_budget",
     "said_budget",
     "size",
@@ -122,7 +132,12 @@ def auto_budget(backend: DeviceBackend, parameters: Iterable[torch.Tensor]) -> i
     less the gradients ``parameters`` will allocate (those that require grad and hold
     none)."""
     free = free_device_memory(backend) or 0
-    coming = sum(
+    return max(0, int(free * (1 - AUTO_MARGIN)) - gradients_to_come(parameters))
+
+
+def gradients_to_come(parameters: Iterable[torch.Tensor]) -> int:
+    """The bytes of the gradients a backward may allocate: of ``parameters`` that require
+    grad and hold none."""
+    return sum(
         p.numel() * p.element_size() for p in parameters if p.requires_grad and p.grad is None
     )
-    return max(0, int(free * (1 - AUTO_MARGIN)) - coming)

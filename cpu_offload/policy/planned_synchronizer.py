@@ -9,6 +9,20 @@ from the next pass on).  Layer 0 is observed in every pass (its saved tensors go
 its layer state, which holds them where they are unless the plan offloads it), so the
 listener sees at once when a step saves more than the plan was made for (a larger
 input), and the rest of that pass is measured again.
+
+NOTE [What a measured pass measures]
+    Each layer is measured as it runs: a layer whose forward runs without grad (a
+    frozen first layer under ``torch.no_grad()``) saves nothing, and is measured so.  A
+    pass in which no layer ran with grad (evaluation) is not measured: the next one is.
+    The measurement ends with the last layer, or, when the last layers did not run
+    (skipped), when the next pass starts.  A layer that did not run in the measured pass
+    (LayerDrop) is not measured: the listener plans it from a stand-in, and it is
+    observed in later passes (as layer 0 is) until it runs with grad; then the listener
+    gets its measurement (``layer_measured``) and plans again.  A forward that raises
+    ends the measurement without a result, and drops everything it held: the tensors
+    pushed to the observed layers and the noted inputs keep their autograd history,
+    and holding them would keep the failed step's graph alive (NOTE [Saved tensors
+    without their history] in layer_state.py).
 """
 
 from __future__ import annotations
@@ -43,8 +57,12 @@ class StepListener(Protocol):
     def step_starts(self) -> None:
         """A forward pass is about to start (the step before it is over)."""
 
-    def forward_measured(self, layers: list[MeasuredLayer]) -> None:
-        """A measured pass's forward ended: what each layer saved (and its time)."""
+    def forward_measured(self, layers: list[MeasuredLayer | None]) -> None:
+        """A measured pass's forward ended: what each layer saved (and its time); None
+        for a layer that did not run in it."""
+
+    def layer_measured(self, layer: int, record: MeasuredLayer) -> None:
+        """A layer that did not run in the measured pass ran now (with grad)."""
 
     def first_layer(self, layer: MeasuredLayer) -> bool:
         """Layer 0 of a planned pass ended; True: measure the rest of the pass again."""
@@ -84,6 +102,13 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
         self._records: list[MeasuredLayer | None] = []
         self._inputs: dict[int, list[torch.Tensor]] = {}
         self._clock: LayerClock | None = None
+        #: layers not measured yet: they did not run in the measured pass
+        self.unmeasured: set[int] = set()
+        #: why no measurement was delivered yet (for the listener's messages)
+        self.why_unmeasured = ""  # the first pass is measured
+        self._with_grad: set[int] = set()  # layers that started with grad enabled
+        self._skipping = False
+        self._ran: set[int] = set()  # the layers of the measured pass run with grad
 
     @property
     def plan(self) -> Any:
@@ -111,8 +136,20 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
 
     def layer_is_offloaded(self, layer: int) -> bool:
         # Observed layers run with their state's hooks too: layer 0, and every layer of
-        # a measured pass (NOTE [Measuring a step]).
-        return layer in self._offloaded or layer == 0 or self.measuring(self.current_pass)
+        # a measured pass, and a layer not measured yet (NOTE [Measuring a step]).
+        return (
+            layer in self._offloaded
+            or layer == 0
+            or layer in self.unmeasured
+            or self.measuring(self.current_pass)
+        )
+
+    def skip_layer(self) -> None:
+        self._skipping = True
+        try:
+            super().skip_layer()
+        finally:
+            self._skipping = False
 
     def note_inputs(self, tensors: list[torch.Tensor]) -> None:
         """The positional tensor inputs of the layer whose forward is starting (what a
@@ -120,10 +157,14 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
         current = self.current_pass
         if current is not None and current.layers_forwarded:
             layer = current.layers_forwarded - 1
-            if layer == 0 or self.measuring(current):
+            if layer in self._with_grad and (
+                layer == 0 or layer in self.unmeasured or self.measuring(current)
+            ):
                 self._inputs[layer] = tensors
 
     def _new_pass(self) -> ForwardPass:
+        if self._measuring is not None:
+            self._deliver()  # the last layers did not run: what ran is measured
         self.listener.step_starts()
         self._inputs = {}
         forward_pass = super()._new_pass()
@@ -137,6 +178,7 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
     def _start_measuring(self, forward_pass: ForwardPass) -> None:
         self._measuring = forward_pass.weak
         self._records = [None] * self.model_layers
+        self._ran = set()
         self._clock = LayerClock(self.backend, self.model_layers)
 
     def _stop_measuring(self, again: bool) -> None:
@@ -145,11 +187,13 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
         super()._on_forward(forward_pass, layer)
+        self._with_grad.discard(layer)
+        if self._skipping:
+            return  # a layer that did not run is not measured (NOTE [What a measured ...])
         measuring = self.measuring(forward_pass)
-        if measuring and not torch.is_grad_enabled():
-            self._stop_measuring(again=True)  # nothing is saved: measure the next pass
-            measuring = False
-        if layer == 0 or measuring:
+        if layer == 0 or measuring or layer in self.unmeasured:
+            if torch.is_grad_enabled():
+                self._with_grad.add(layer)
             state = forward_pass.state(layer)
             if isinstance(state, ObservedLayerState):
                 state.seen = []
@@ -165,8 +209,24 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
                 self._layer_ended(current, layer, state)
         super().fwd_end()
 
+    def start_over(self) -> None:
+        if self._measuring is not None and self.measuring(self.current_pass):
+            self._deliver()  # its last layers did not run: what ran is measured
+        super().start_over()
+
     def abort_forward(self) -> None:
-        if self.measuring(self.current_pass):
+        current = self.current_pass
+        if current is not None:
+            # Drop what the observed layers hold: the pushed tensors and the inputs keep
+            # their history, and so the failed step's graph (NOTE [What a measured ...]).
+            for layer in range(current.layers_forwarded):
+                state = current.made_state(layer)
+                if isinstance(state, ObservedLayerState):
+                    state.seen = None
+        self._inputs = {}
+        self._with_grad.clear()
+        if self.measuring(current):
+            self.why_unmeasured = "the measured forward raised an exception"
             self._stop_measuring(again=True)  # an exception: measure the next pass
         super().abort_forward()
 
@@ -187,20 +247,45 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
                 lambda: self.new_layer_state(layer, f"the inputs of layer {layer}"),
                 self._measure,
             )
+        with_grad = layer in self._with_grad
+        self._with_grad.discard(layer)
         if not measuring:
+            if layer in self.unmeasured and with_grad:
+                self.unmeasured.discard(layer)
+                self.listener.layer_measured(layer, record)
             if layer == 0 and self.listener.first_layer(record):
                 self._start_measuring(forward_pass)  # the rest of this pass
                 self._records[0] = record
+                self._ran = {0} if with_grad else set()
             return
         self._records[layer] = record
+        if with_grad:
+            self._ran.add(layer)
         if layer == self.model_layers - 1:
-            clock, records = self._clock, self._records
-            self._stop_measuring(again=False)
-            times = clock.seconds() if clock is not None else [None] * len(records)
-            for found, seconds in zip(records, times):
-                if found is not None:
-                    found.forward_s = seconds
-            self.listener.forward_measured([r or MeasuredLayer(0, 0, 0, 0) for r in records])
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """The measured pass's forward is over: hand what ran to the listener, or, if
+        no layer ran with grad (evaluation), measure the next pass."""
+        clock, records, ran = self._clock, self._records, self._ran
+        if not ran:
+            self.why_unmeasured = (
+                "no layer of a forward pass ran with grad enabled (evaluation, or "
+                "torch.no_grad() around the whole forward)"
+            )
+            self._stop_measuring(again=True)
+            return
+        self._stop_measuring(again=False)
+        times = clock.seconds() if clock is not None else [None] * len(records)
+        found: list[MeasuredLayer | None] = []
+        for record, seconds in zip(records, times):
+            if record is not None:  # ran (with grad, or without: it saved nothing)
+                record.forward_s = seconds
+                found.append(record)
+            else:
+                found.append(None)  # did not run: measured when it first runs
+        self.unmeasured = {layer for layer, record in enumerate(found) if record is None}
+        self.listener.forward_measured(found)
 
     def _measure(
         self, seen: Sequence[torch.Tensor], pending: Sequence[torch.Tensor]

@@ -6,7 +6,9 @@ takes and returns what it returns, the ``context_fn`` of non-reentrant
 ``PREFER_SAVE`` are saved and ops whose policy is ``MUST_RECOMPUTE`` or
 ``PREFER_RECOMPUTE`` recomputed, by torch's own code; the outputs of ops whose policy is
 ``MUST_CPU_OFFLOAD`` or ``PREFER_CPU_OFFLOAD``, which torch recomputes in eager, are saved
-and moved to the host on the schedule of the offloaded layer the checkpoint runs in.
+and moved to the host on the schedule of the offloaded layer the checkpoint runs in, and
+recomputed where torch's function would compute otherwise (NOTE [The contract of torch's
+function]).
 
 NOTE [Offloaded outputs of a selective checkpoint]
     torch runs a selectively checkpointed function under two dispatch modes that share
@@ -29,21 +31,31 @@ NOTE [Offloaded outputs of a selective checkpoint]
     reaches the op.  A tensor the layer keeps (under ``min_offload_numel``, not dense,
     marked) stays in the cache as it was.
 
-    The in-place check is torch's: the entry keeps the version torch's cache recorded
-    and a *version keeper* of the cached alias (its version counter, none of its
-    memory), and the recompute raises torch's error when the version moved, unless
-    ``allow_cache_entry_mutation``.
+NOTE [The contract of torch's function]
+    torch's own function, in eager, recomputes the ops whose policy is
+    ``*_CPU_OFFLOAD``; what it allows, this function allows, with the same results.
+    The recompute's mode here (:class:`OffloadedCachedMode`, torch's cached mode,
+    subclassed) hands an offloaded output back from its host copy only where that is
+    what the recompute would compute: in a backward that does not keep its graph, and
+    when the output was not changed in place since it was cached (the entry keeps the
+    version torch's cache recorded and a *version keeper* of the cached alias: its
+    version counter, none of its memory).  Otherwise it runs the op again, as torch's
+    function does: a backward with ``retain_graph=True`` (and so a second one), with
+    ``create_graph=True`` (a gradient penalty differentiates through the op, which a
+    host copy has no history for), and an output changed in place inside the region
+    (the recompute replays the change on the op's fresh output).  An RNG op (tagged
+    ``nondeterministic_seeded``) is always run again: the recompute restores the RNG
+    state, and the RNG ops after it (dropout) draw their masks where they drew them in
+    forward only if it draws too.
 
-    Where an output cannot be moved exactly it is saved on the device, as
-    ``PREFER_SAVE``, with one warning naming the op: outside an offloaded layer (no
+    Where an output cannot be moved exactly it is recomputed, as torch's function
+    recomputes it, with one warning naming the op: outside an offloaded layer (no
     offload context is active, or the layer is not offloaded: the last layer never
     is), and under ``allow_cache_entry_mutation=True`` (an output changed in place after
-    its copy started would come back without the change).  Saved, not recomputed as
-    torch does in eager: the op runs once wherever the checkpoint runs, and its output
-    gets the same in-place check, so a program computes and fails alike with offload
-    on and off.  Under ``torch.compile`` (and export) the checkpoint is traced, with
-    no real tensor to move: the function returns torch's own modes, and the compiler
-    reads the policies from the graph as it does for torch's function.
+    its copy started would come back without the change).  Under ``torch.compile``
+    (and export) the checkpoint is traced, with no real tensor to move: the function
+    returns torch's own modes, and the compiler reads the policies from the graph as
+    it does for torch's function.
 
 NOTE [Choices finer than a layer]
     The offloaded outputs go through the saved-tensor hooks innermost where the
@@ -62,7 +74,7 @@ from typing import Any
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..engine.layer_data import version_keeper
@@ -80,6 +92,7 @@ from ..log import warn
 __all__ = [
     "MUTATED",
     "OFFLOAD_POLICIES",
+    "OffloadedCachedMode",
     "OffloadedOutput",
     "OffloadingCachingMode",
     "create_selective_checkpoint_contexts",
@@ -92,6 +105,11 @@ MUTATED = "Tensor cached during selective activation checkpoint has been mutated
 
 _API = "cpu_offload.create_selective_checkpoint_contexts"
 _CachingMode: Any = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+_CachedMode: Any = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+_RECOMPUTE: Any = getattr(torch_checkpoint, "_RECOMPUTE", None)
+_IGNORED: Any = getattr(torch_checkpoint, "SAC_IGNORED_OPS", set())
+_SEEDED = torch.Tag.nondeterministic_seeded
+_keep_graph: Any = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 _storage_key: Any = getattr(torch_checkpoint, "_sac_storage_key", lambda func, args: func)
 #: warnings given once per process, by reason
 _warned: set[str] = set()
@@ -102,7 +120,7 @@ def _layout_known() -> bool:
     """Whether torch's selective checkpointing is built as this module expects: a cache
     of ``{key: {index: entry}}`` that the caching mode fills by a counter per key, and
     entries with ``val`` and ``version`` (torch 2.13)."""
-    if _CachingMode is None:
+    if _CachingMode is None or _CachedMode is None or _RECOMPUTE is None or _keep_graph is None:
         return False
     wrapper = getattr(torch_checkpoint, "_VersionWrapper", None)
     try:
@@ -144,6 +162,10 @@ class OffloadedOutput:
         self.version = version
         self.keeper = keeper  # shares the cached alias's version counter, no memory
         self.op = op
+
+    def changed(self) -> bool:
+        """Whether the cached output was changed in place since it was cached."""
+        return self.keeper._version != self.version
 
     def get_val(self, allow_cache_entry_mutation: bool) -> Any:
         """The cached output, back from the layer, after torch's in-place check."""
@@ -209,7 +231,13 @@ class OffloadingCachingMode(_ModeBase):  # type: ignore[misc]
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if policy.noted is not None:
             key = _storage_key(func, args)
-            self.noted.append((key, self.func_counter[key] - 1, func, policy.noted))
+            index = self.func_counter[key] - 1
+            if _SEEDED in getattr(func, "tags", ()):
+                # An RNG op runs again, as torch's function runs it: the recompute's later
+                # RNG ops draw where they drew in forward (NOTE [The contract of ...]).
+                self.storage[key][index] = _RECOMPUTE
+            else:
+                self.noted.append((key, index, func, policy.noted))
             policy.noted = None
         return out
 
@@ -221,8 +249,12 @@ class OffloadingCachingMode(_ModeBase):  # type: ignore[misc]
             self._move(noted, hooks)
 
     def _move(self, noted: list[tuple[Any, int, Any, CheckpointPolicy]], hooks: Any) -> None:
-        """Hand the noted outputs to the offload context's pack hook, or say why not."""
+        """Hand the noted outputs to the offload context's pack hook, or say why not and
+        recompute them, as torch's function does."""
         _, _, op, policy = noted[0]
+        if hooks is None or self.allow_cache_entry_mutation:
+            for key, index, _, _ in noted:
+                self.storage[key][index] = _RECOMPUTE
         if hooks is None:
             if is_cpu_offload_enabled():
                 _warn_saved(
@@ -262,6 +294,26 @@ class OffloadingCachingMode(_ModeBase):  # type: ignore[misc]
             entries[index] = tree_map(functools.partial(_pushed, pack=pack, op=op), entries[index])
 
 
+_CachedBase: Any = _CachedMode if _CachedMode is not None else object
+
+
+class OffloadedCachedMode(_CachedBase):  # type: ignore[misc]
+    """torch's cached mode, which runs an op whose output was offloaded again where
+    torch's function would recompute it (NOTE [The contract of torch's function])."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in _IGNORED:
+            key = _storage_key(func, args)
+            entries = self.storage.get(key)
+            index = self.func_counter[key]
+            entry = entries.get(index) if entries is not None else None
+            offloaded = [v for v in tree_leaves(entry) if type(v) is OffloadedOutput]
+            if offloaded and (_keep_graph() or any(v.changed() for v in offloaded)):
+                self.func_counter[key] = index + 1
+                return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _pushed(cached: Any, *, pack: Any, op: Any) -> Any:
     """``cached`` (a torch cache entry) as an :class:`OffloadedOutput` once ``pack`` took
     its tensor to move it; itself when it holds no tensor, or one that stays."""
@@ -284,8 +336,9 @@ def _warn_saved(reason: str, op: Any, policy: CheckpointPolicy, why: str, fix: s
     ):
         frame, level = frame.f_back, level + 1
     warn(
-        f"{_API}: {op} has policy {policy.name}, but {why}, so its output is saved on the "
-        f"device, as PREFER_SAVE would save it (and so are other such outputs there). {fix} "
+        f"{_API}: {op} has policy {policy.name}, but {why}, so its output is recomputed in "
+        f"the backward, as torch's own function recomputes it (and so are other such "
+        f"outputs there). {fix} "
         "This warning is shown once.",
         UserWarning,
         stacklevel=level,
@@ -304,8 +357,11 @@ def create_selective_checkpoint_contexts(
     tensors (the copy overlaps the next layer, the reload is prefetched), and handed
     back to the recompute exactly; ``*_SAVE`` and ``*_RECOMPUTE`` mean what they mean
     to torch.  Outside an offloaded layer, and with ``allow_cache_entry_mutation=True``,
-    such outputs are saved on the device, with one warning (NOTE [Offloaded outputs
-    of a selective checkpoint]).
+    such outputs are recomputed, as torch's function recomputes them, with one warning
+    (NOTE [Offloaded outputs of a selective checkpoint]).  Whatever torch's function
+    allows this one allows, with the same results: ``retain_graph=True``, a second
+    backward, ``create_graph=True``, an in-place change inside the region (NOTE [The
+    contract of torch's function]).
 
     Args:
         policy_fn_or_list: a policy function ``(ctx, op, *args, **kwargs) ->
@@ -335,7 +391,7 @@ def create_selective_checkpoint_contexts(
         ...     return checkpoint(lambda t: (t @ t).sin(), h, use_reentrant=False,
         ...                       context_fn=context_fn)
         >>> [type(mode).__name__ for mode in context_fn()]
-        ['OffloadingCachingMode', '_CachedTorchDispatchMode']
+        ['OffloadingCachingMode', 'OffloadedCachedMode']
     """
     caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(
         policy_fn_or_list, allow_cache_entry_mutation
@@ -351,4 +407,4 @@ def create_selective_checkpoint_contexts(
             "(it recomputes *_CPU_OFFLOAD ops in eager), or upgrade torch."
         )
     mode = OffloadingCachingMode(caching.policy_fn, caching.storage, allow_cache_entry_mutation)
-    return mode, cached
+    return mode, OffloadedCachedMode(None, cached.storage, allow_cache_entry_mutation)

@@ -20,6 +20,14 @@ NOTE [Strict stream simulation]
       * a copy is issued into a buffer that a queued copy still reads or writes;
       * a tensor handed back to autograd holds torn data (below).
 
+NOTE [Threads]
+    Several threads may run offloaded forwards and backwards on one simulator, as on
+    one device: the queues are shared, and a wait returns only when the copies before
+    it have run, whichever thread runs them (a lock held while copies are queued or
+    run), and each thread has its current stream.  The compute watch is a dispatch
+    mode, entered by ``strict_streams()`` in its own thread: compute in other threads
+    is not checked against queued copies.
+
 NOTE [Torn copies]
     Compute may write a tensor that a queued copy still reads: a saved tensor modified
     in place after its offload started.  On a device the copy then reads a mix of old
@@ -35,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -235,16 +244,19 @@ class SimulatedStream:
         # finalizer, which waits on this stream: the nested wait would find the copy
         # in progress counted as executed and return before it ran.  A device runs its
         # queue apart from the host; so does the simulator, with the collector off.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            while self.executed < min(position, len(self.queue)):
-                item = self.queue[self.executed]
-                self.executed += 1
-                item.run()
-        finally:
-            if collecting:
-                gc.enable()
+        # Another thread's wait would find the same: it waits for the lock, as a wait
+        # on a device blocks until the copies before it have finished (NOTE [Threads]).
+        with self.sim.lock:
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                while self.executed < min(position, len(self.queue)):
+                    item = self.queue[self.executed]
+                    self.executed += 1
+                    item.run()
+            finally:
+                if collecting:
+                    gc.enable()
 
     def wait_event(self, event: SimulatedEvent) -> None:
         self.sim.wait_event(self, event)
@@ -348,11 +360,23 @@ class SimulatedBackend(DeviceBackend):
         self.pending_writes: Counter[int] = Counter()
         self.torn: set[int | None] = set()  # storages holding torn data (NOTE [Torn copies])
         self.suspend_depth = 0
-        #: the stream ops run on; only a simulated runtime's ``stream(s)`` changes it
-        self.current: SimulatedStream = self.compute
+        #: held while queued copies run or are queued (NOTE [Threads])
+        self.lock = threading.RLock()
+        self._current = threading.local()
         #: whether a side-stream copy between non-contiguous tensors is a hazard
         #: (torch_npu synchronises such copies)
         self.contiguous_copies_only = False
+
+    @property
+    def current(self) -> SimulatedStream:
+        """The stream this thread's ops run on (per thread, as a device's current
+        stream is); only a simulated runtime's ``stream(s)`` changes it."""
+        stream: SimulatedStream = getattr(self._current, "stream", self.compute)
+        return stream
+
+    @current.setter
+    def current(self, stream: SimulatedStream) -> None:
+        self._current.stream = stream
 
     # ------------------------------------------------------------ helpers
 
@@ -434,6 +458,10 @@ class SimulatedBackend(DeviceBackend):
         self.wait_event(stream, event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str = "") -> None:
+        with self.lock:
+            self._copy(dst, src, stream, label)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, label: str) -> None:
         if stream.is_compute:
             self.check_compute_access(src, write=False)
             self.check_compute_access(dst, write=True)

@@ -63,15 +63,10 @@ class Offload:
 
     def sac(self, policy: Any, allow: bool = False) -> Callable[[], Any]:
         """The ``context_fn`` of a selective checkpoint: ours when offloading; for the
-        baseline torch's, with ``*_CPU_OFFLOAD`` read as ``PREFER_SAVE`` (an offloaded
-        output is a saved one that moved)."""
-        if self.k is not None:
-            return functools.partial(
-                create_selective_checkpoint_contexts, policy, allow_cache_entry_mutation=allow
-            )
-        if callable(policy):
-            policy = functools.partial(saved_instead_of_offloaded, policy)
-        return functools.partial(torch_sac, policy, allow_cache_entry_mutation=allow)
+        baseline torch's own, which recomputes ``*_CPU_OFFLOAD`` ops in eager (ours keeps
+        its contract: NOTE [The contract of torch's function])."""
+        make = create_selective_checkpoint_contexts if self.k is not None else torch_sac
+        return functools.partial(make, policy, allow_cache_entry_mutation=allow)
 
     def budget(self, modules: list[torch.nn.Module]) -> None:
         """``offload_layers(modules, memory_budget=...)``: a measured step, then the
@@ -627,6 +622,29 @@ def whole_forward_at_defaults(off: Offload) -> list[torch.Tensor]:
     return [x.grad, wq.grad, wk.grad, wv.grad]
 
 
+def whole_forward_views_in_two_chunks(modify: bool) -> Callable[[Offload], list]:
+    """OffloadActivations: ``out`` saved in one chunk, ``out.t()`` in a later one (their
+    storage moves once); optionally ``out`` changed in place between the two saves."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        ctx: Any = contextlib.nullcontext()
+        if off.k is not None:
+            ctx = OffloadActivations(min_offload_size=0, chunk_bytes=1)
+            off.handles.append(ctx)
+        x, w = leaf(8, 6), leaf(6)
+        with ctx:
+            out = (x * w).sin()
+            a = out.cos()  # saves out
+            if modify:
+                out.mul_(2)
+            b = out.t().sin()  # saves out.t(), in a later chunk
+            c = (b.cos() * 2).exp()  # later chunks: out.t()'s closes
+        (a.sum() + c.sum()).backward()
+        return [x.grad, w.grad]
+
+    return program
+
+
 #: a policy with every choice for each k the rows run at (k layers offloaded); layer 1
 #: is checkpointed and offloaded in both
 POLICIES = {
@@ -666,11 +684,19 @@ def per_layer_policy(inplace: bool) -> Callable[[Offload], list]:
 BUDGETS: dict[int, tuple[int, float | None]] = {1: (700, None), 2: (1, 1e3)}
 
 
-def automatic_policy(lengths: tuple[int, ...], inplace: bool = False) -> Callable[[Offload], list]:
+def automatic_policy(
+    lengths: tuple[int, ...],
+    inplace: bool = False,
+    frozen_first: bool = False,
+    skipped_first: int | None = None,
+    failed_first: bool = False,
+) -> Callable[[Offload], list]:
     """offload_layers(memory_budget=...): a measured step, then steps under the policy
     chosen from it (dropout in checkpointed layers, recomputed with the same masks); a
     longer input measured again and planned for; optionally a layer's input modified in
-    place after the last forward."""
+    place after the last forward, layer 0 run under no_grad in every step
+    (``frozen_first``), a layer skipped in the first step (``skipped_first``: LayerDrop),
+    a first step that raises in layer 1 (``failed_first``)."""
 
     def program(off: Offload) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -680,16 +706,28 @@ def automatic_policy(lengths: tuple[int, ...], inplace: bool = False) -> Callabl
         ]
         off.budget(blocks)
         found = []
+        if failed_first:
+            h = leaf(8, 4)
+            try:
+                h = blocks[1](blocks[0](h)[:, :3])  # 3 columns into Linear(4, 4): raises
+            except RuntimeError as error:
+                found.append(torch.tensor(float("mat1 and mat2" in str(error))))
         for step, rows in enumerate(lengths):
             x = leaf(rows, 4)
             h, inputs = x * 1, []
-            for block in blocks:
+            for index, block in enumerate(blocks):
                 inputs.append(h)
-                h = block(h)
+                if step == 0 and index == skipped_first:
+                    continue
+                with torch.no_grad() if frozen_first and index == 0 else contextlib.nullcontext():
+                    h = block(h)
+            if frozen_first:
+                x.grad = torch.zeros_like(x)  # nothing flows back to x
             if inplace and step == len(lengths) - 1:
                 inputs[1].mul_(2)  # layer 1's input, saved by its first operation or checkpoint
             h.sum().backward()
-            found += [x.grad, *(p.grad.clone() for block in blocks for p in block.parameters())]
+            grads = [p.grad for block in blocks for p in block.parameters()]
+            found += [x.grad, *(torch.zeros(1) if g is None else g.clone() for g in grads)]
             for block in blocks:
                 block.zero_grad(set_to_none=True)
         return found
@@ -813,11 +851,6 @@ EVERY_KIND = {
 }
 
 
-def saved_instead_of_offloaded(policy: Callable, ctx: Any, op: Any, *args: Any, **kwargs: Any):
-    choice = policy(ctx, op, *args, **kwargs)
-    return P.PREFER_SAVE if choice in OFFLOAD_KINDS else choice
-
-
 def by_op(kinds: dict[Any, CheckpointPolicy]) -> Callable[..., CheckpointPolicy]:
     """A policy function: ``kinds`` per op, PREFER_RECOMPUTE for the others."""
 
@@ -933,14 +966,32 @@ def sac_in_place(where: str, allow: bool = False) -> Callable[[Offload], list]:
     return program
 
 
-def sac_backward_twice(off: Offload) -> list[torch.Tensor]:
-    """retain_graph=True, then a second backward: torch allows one per SAC region."""
+def sac_backward_twice(saved: bool) -> Callable[[Offload], list]:
+    """retain_graph=True, then a second backward: torch's function allows it where the
+    region saves nothing (its offloaded ops it recomputes), and raises where it saves
+    an op's output (``saved``: tanh, MUST_SAVE)."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        x, w = leaf(8, 4), leaf(4, 4)
+        body = (lambda h: (h @ w).sin().tanh()) if saved else (lambda h: (h @ w).sin())
+        layer = selective(body, off.sac(by_op(EVERY_KIND)))
+        loss = chain([layer] * L, x, *off.context()).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [x.grad, w.grad]
+
+    return program
+
+
+def sac_gradient_penalty(off: Offload) -> list[torch.Tensor]:
+    """create_graph=True through regions whose mm and sin outputs are offloaded: the
+    penalty differentiates through them, as through torch's recomputed ones."""
     x, w = leaf(8, 4), leaf(4, 4)
-    layer = selective(lambda h: (h @ w).sin(), off.sac(by_op(EVERY_KIND)))
+    layer = selective(lambda h: (h @ w).sin().cos(), off.sac(by_op(EVERY_KIND)))
     loss = chain([layer] * L, x, *off.context()).sum()
-    loss.backward(retain_graph=True)
-    loss.backward()
-    return [x.grad]
+    (g,) = torch.autograd.grad(loss, [x], create_graph=True)
+    (g.square().sum() + loss).backward()
+    return [x.grad, w.grad]
 
 
 class SelectiveBlock(torch.nn.Module):
@@ -1089,6 +1140,12 @@ PROGRAMS = {
     "OffloadActivations around a whole forward": Row(whole_forward_in_chunks(False)),
     "OffloadActivations, in-place after save": Row(whole_forward_in_chunks(True), match=MODIFIED),
     "OffloadActivations at its defaults, a tensor in three chunks": Row(whole_forward_at_defaults),
+    "OffloadActivations, a tensor and its transpose in two chunks": Row(
+        whole_forward_views_in_two_chunks(False)
+    ),
+    "OffloadActivations, a tensor changed between two views' saves": Row(
+        whole_forward_views_in_two_chunks(True), match=MODIFIED
+    ),
     "whole forward, in-place then dropped, copied chunk": Row(
         whole_forward_inplace_then_dropped(1), match=MODIFIED
     ),
@@ -1110,17 +1167,19 @@ PROGRAMS = {
     "SAC: an RNG op's output offloaded, dropout after it": Row(sac_random_op_offloaded),
     "SAC: a list of ops": Row(sac_op_list),
     "SAC: two outputs and a view offloaded": Row(sac_two_outputs_and_a_view),
-    "SAC: offloaded output changed in place, inside": Row(sac_in_place("inside"), match=MUTATED),
-    "SAC: offloaded output changed in place after its copy": Row(
-        sac_in_place("after copy"), match=MUTATED
-    ),
+    "SAC: offloaded output changed in place, inside": Row(sac_in_place("inside")),
+    "SAC: offloaded output changed in place after its copy": Row(sac_in_place("after copy")),
     "SAC: saved output changed in place": Row(sac_in_place("saved"), match=MUTATED),
     "SAC: checkpoint input changed in place": Row(sac_in_place("input"), match=MODIFIED),
     "SAC: allow_cache_entry_mutation, changed inside": Row(sac_in_place("inside", allow=True)),
     "SAC: allow_cache_entry_mutation, changed after the copy": Row(
         sac_in_place("after copy", allow=True)
     ),
-    "SAC: backward twice": Row(sac_backward_twice, match="Trying to backward an extra time"),
+    "SAC: retain_graph=True, then a second backward": Row(sac_backward_twice(False)),
+    "SAC: backward twice through a saved op": Row(
+        sac_backward_twice(True), match="Trying to backward an extra time"
+    ),
+    "SAC: a gradient penalty (create_graph=True)": Row(sac_gradient_penalty),
     "SAC: offload_layers on blocks that checkpoint": Row(sac_in_offload_layers),
     "SAC: OffloadActivations around a whole forward": Row(sac_in_a_whole_forward),
     "memory_budget: measured, then planned": Row(automatic_policy((8, 8, 8))),
@@ -1134,6 +1193,15 @@ PROGRAMS = {
     "memory_budget, a longer input measured again": Row(automatic_policy((8, 8, 24, 24, 8))),
     "memory_budget, a layer's input modified in place": Row(
         automatic_policy((8, 8), inplace=True), match=MODIFIED
+    ),
+    "memory_budget, a frozen first layer under no_grad": Row(
+        automatic_policy((8, 8, 8), frozen_first=True)
+    ),
+    "memory_budget, a layer skipped in the measured step": Row(
+        automatic_policy((8, 8, 8, 8), skipped_first=1)
+    ),
+    "memory_budget, a measured step that raised": Row(
+        automatic_policy((8, 8, 8), failed_first=True)
     ),
 }
 

@@ -282,6 +282,41 @@ def test_a_tensor_saved_in_several_chunks_is_copied_once():
     assert ctx.offload_synchronizer.stats.bytes_offloaded == 8 * 64 * 64 * 4  # x twice
 
 
+@pytest.mark.parametrize("order", ["tensor first", "view first"])
+def test_a_storage_saved_in_two_chunks_through_two_views_is_copied_once(order):
+    """``out`` saved in one chunk and ``out.t()`` in a later one (TRL's deduplication
+    test has this shape): their one storage moves once (NOTE [A tensor saved in several
+    chunks]); modified in place in between, it moves again and backward raises
+    autograd's error, as without offload."""
+    import contextlib
+
+    def run(ctx, modify: bool = False) -> torch.Tensor:
+        x = torch.randn(40, 50, generator=torch.Generator().manual_seed(0))
+        x.requires_grad_()
+        with ctx:
+            out = (x * 1.0).sin()  # saves x * 1.0 (8,000 B): chunk 0
+            first, second = (out, out.t()) if order == "tensor first" else (out.t(), out)
+            a = first.cos()  # saves out's storage: chunk 1
+            if modify:
+                out.mul_(2)
+            b = second.sin()  # the same storage again
+            c = b.cos()  # saves b: the last chunk, which stays
+            loss = a.sum() + c.sum()
+        loss.backward()
+        return x.grad
+
+    plain = run(contextlib.nullcontext())
+    ctx = ChunkedOffload(chunk_bytes=1)
+    assert torch.equal(plain, run(ctx))
+    assert ctx.offload_synchronizer.stats.bytes_offloaded == 2 * 8000  # not 3 * 8000
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(contextlib.nullcontext(), modify=True)
+    ctx = ChunkedOffload(chunk_bytes=1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(ctx, modify=True)
+    assert ctx.offload_synchronizer.stats.bytes_offloaded == 3 * 8000  # changed: moved again
+
+
 def test_counters_of_the_whole_forward_context_see_its_forwards():
     """get_offloaded_total_size_mb() and in_flight_passes() count the bytes on the host
     and the forwards whose graphs are alive, and go to zero with the graph."""

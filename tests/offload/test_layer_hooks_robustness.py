@@ -136,10 +136,53 @@ def test_a_copy_of_a_hooked_model_runs_without_offload_and_leaves_the_original(h
 # ----------------------------------------------------------------- threads
 
 
+def test_a_wait_in_another_thread_returns_only_when_the_copy_has_run():
+    """The race two threads sharing one handle met under the strict simulator: a copy
+    that one thread was running counted as run, and another thread's wait for it
+    returned at once, to read its still poisoned destination."""
+    from cpu_offload.testing import SimulatedBackend
+    from cpu_offload.testing.simulator import _Copy  # noqa: PLC2701 - the simulator's own
+
+    sim = SimulatedBackend()
+    stream = sim.new_stream()
+    src, dst = torch.ones(4), torch.empty(4)
+    sim.copy(dst, src, stream)
+    event = sim.new_event()
+    event.record(stream)
+    started, go, seen = threading.Event(), threading.Event(), []
+    run = _Copy.run
+
+    def slow_run(copy: _Copy) -> None:
+        started.set()
+        go.wait()
+        run(copy)
+
+    def first() -> None:
+        stream.synchronize()  # runs the copy, slowly
+
+    def second() -> None:
+        event.synchronize()  # waits for the same copy
+        seen.append(dst.clone())
+
+    _Copy.run = slow_run  # type: ignore[method-assign]
+    try:
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        threads[0].start()
+        started.wait()
+        threads[1].start()
+        threads[1].join(timeout=1.0)  # before the fix it returned here, the copy not run
+        go.set()
+        for thread in threads:
+            thread.join()
+    finally:
+        _Copy.run = run  # type: ignore[method-assign]
+    assert len(seen) == 1 and torch.equal(seen[0], src)
+
+
 def test_two_threads_run_forward_and_backward_through_one_model(streams):
-    if streams is not None:
-        pytest.skip("the stream simulator is one thread's")
-    inputs = [torch.randn(8, 16, requires_grad=True) for _ in range(2)]
+    """Two threads share one handle, with inputs of different shapes, in every stream
+    flavour (the simulators' queues are shared: NOTE [Threads] in simulator.py)."""
+    inputs = [torch.randn(rows, 16, requires_grad=True) for rows in (8, 40)]
     plain = make_layers()
     expected = [step(plain, x) for x in inputs]
     layers = make_layers()
