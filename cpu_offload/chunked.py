@@ -131,6 +131,34 @@ def _covers_its_storage(tensor: torch.Tensor) -> bool:
     )
 
 
+def _saved_before(run: _Forward, chunk: OffloadableLayerState, tensor: _Tensor) -> Any:
+    """A handle to the copy already made of ``tensor`` or of its storage (NOTE [A
+    tensor saved in several chunks]), or None: push it."""
+    view = None
+    entry = run.seen.get(id(tensor))
+    if entry is None or entry[0]() is not tensor:
+        entry = run.storages.get(tensor.untyped_storage()._cdata)
+        first = entry[0]() if entry is not None else None
+        if first is None or first.dtype != tensor.dtype or first.device != tensor.device:
+            return None
+        if first.untyped_storage()._cdata != tensor.untyped_storage()._cdata:
+            return None
+        view = (tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+    if entry is None or entry[3] != tensor._version:
+        return None  # changed in place since: autograd sees another version
+    lease = entry[1]
+    if lease.layer is chunk:
+        return chunk.push_tensor(tensor)  # the open chunk copies it once
+    saves = chunk.saves  # its data went with the earlier chunk's, or stayed
+    if lease.layer.went_to_host(lease, entry[2]):
+        saves.moved += 1
+        saves.moved_bytes += nominal_bytes(tensor)
+    else:  # the host cap kept it there
+        saves.capped += 1
+        saves.capped_bytes += nominal_bytes(tensor)
+    return SharedHandle(lease, entry[2], view)
+
+
 def _prefetch(state: OffloadableLayerState) -> None:
     """Backward reached the chunk after ``state``: bring ``state`` back."""
     if state.state is LayerState.OFFLOAD_FINISHED:
@@ -282,7 +310,7 @@ class ChunkedOffload:
             raise CpuOffloadError("cpu_offload internal error: a push outside the context.")
         run.saved += 1
         if type(tensor) is _Tensor:
-            shared = self._saved_before(run, chunk, tensor)
+            shared = _saved_before(run, chunk, tensor)
             if shared is not None:
                 return shared
         if self._full(run) and self._moves(tensor):
@@ -295,34 +323,6 @@ class ChunkedOffload:
             if _covers_its_storage(tensor):
                 run.storages[tensor.untyped_storage()._cdata] = entry
         return handle
-
-    @staticmethod
-    def _saved_before(run: _Forward, chunk: OffloadableLayerState, tensor: _Tensor) -> Any:
-        """A handle to the copy already made of ``tensor`` or of its storage (NOTE [A
-        tensor saved in several chunks]), or None: push it."""
-        view = None
-        entry = run.seen.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            entry = run.storages.get(tensor.untyped_storage()._cdata)
-            first = entry[0]() if entry is not None else None
-            if first is None or first.dtype != tensor.dtype or first.device != tensor.device:
-                return None
-            if first.untyped_storage()._cdata != tensor.untyped_storage()._cdata:
-                return None
-            view = (tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
-        if entry is None or entry[3] != tensor._version:
-            return None  # changed in place since: autograd sees another version
-        lease = entry[1]
-        if lease.layer is chunk:
-            return chunk.push_tensor(tensor)  # the open chunk copies it once
-        saves = chunk.saves  # its data went with the earlier chunk's, or stayed
-        if lease.layer.went_to_host(lease, entry[2]):
-            saves.moved += 1
-            saves.moved_bytes += nominal_bytes(tensor)
-        else:  # the host cap kept it there
-            saves.capped += 1
-            saves.capped_bytes += nominal_bytes(tensor)
-        return SharedHandle(lease, entry[2], view)
 
     def _full(self, run: _Forward) -> bool:
         """Whether the open chunk closes at the next tensor that moves."""

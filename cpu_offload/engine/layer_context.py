@@ -128,7 +128,7 @@ class OffloadContext:
         synchronizer = self.offload_synchronizer
         try:
             if new_pass:
-                synchronizer.start_over()
+                synchronizer.abort_forward(failed=False)
             if skipped:
                 for _ in range(skipped):
                     synchronizer.skip_layer()

@@ -168,8 +168,7 @@ class OffloadSynchronizer(OffloadEngine):
 
         A new pass starts after ``model_layers`` layers, and also when the pass in
         progress was abandoned (see :meth:`ForwardPass.abandoned`: an exception
-        between two layers, say).
-        """
+        between two layers, say)."""
         return self.forward_step()[0]
 
     def forward_step(self) -> tuple[int, ForwardPass]:
@@ -201,23 +200,15 @@ class OffloadSynchronizer(OffloadEngine):
             self._on_forward_end(current)
 
     def skip_layer(self) -> None:
-        """Count a layer that did not run in this forward pass (a skipped block,
-        LayerDrop) as an empty layer."""
+        """A layer that did not run in this pass (LayerDrop) counts as an empty one."""
         self.fwd_step()
         self.fwd_end()
 
-    def start_over(self) -> None:
-        """An earlier layer runs again between two layers: the forward in progress was
-        left behind (its last layers did not run), and the next layer starts a new pass."""
-        self.abort_forward()
-
-    def abort_forward(self) -> None:
+    def abort_forward(self, failed: bool = True) -> None:
         """End the pass in progress early: the next layer's forward starts a new pass.
-
-        Called when an exception escapes a layer.  The pass keeps what its partial
-        graph saved: a backward through that graph still works, and the memory goes
-        when the graph does.
-        """
+        ``failed``: an exception escaped a layer (else an earlier layer runs again). The
+        pass keeps what its partial graph saved: a backward through it works, and the
+        memory goes with the graph."""
         self._set_current(None)
 
     def push_tensor(self, tensor: Any, offload_base_tensor: bool = False) -> Any:
@@ -225,8 +216,7 @@ class OffloadSynchronizer(OffloadEngine):
 
         The layer holds it until the layer is released after its backward, whether or
         not the handle is kept (TransformerEngine's contract); ``offload_base_tensor``
-        moves a view through its base, as :func:`cpu_offload.start_offload` does.
-        """
+        moves a view through its base, as :func:`cpu_offload.start_offload` does."""
         if offload_base_tensor and isinstance(tensor, torch.Tensor) and tensor._base is not None:
             set_mark(tensor, offload_base=True)
         current = self.current_pass

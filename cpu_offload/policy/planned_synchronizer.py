@@ -163,8 +163,11 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
                 self._inputs[layer] = tensors
 
     def _new_pass(self) -> ForwardPass:
-        if self._measuring is not None:
+        measured = self._measuring() if self._measuring is not None else None
+        if measured is not None and measured.backward_reached:
             self._deliver()  # the last layers did not run: what ran is measured
+        elif self._measuring is not None:
+            self._stop_measuring(again=True)  # left before its end, and no backward
         self.listener.step_starts()
         self._inputs = {}
         forward_pass = super()._new_pass()
@@ -209,13 +212,13 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
                 self._layer_ended(current, layer, state)
         super().fwd_end()
 
-    def start_over(self) -> None:
-        if self._measuring is not None and self.measuring(self.current_pass):
-            self._deliver()  # its last layers did not run: what ran is measured
-        super().start_over()
-
-    def abort_forward(self) -> None:
+    def abort_forward(self, failed: bool = True) -> None:
         current = self.current_pass
+        if not failed and current is not None and current.backward_reached:
+            if self.measuring(current):
+                self._deliver()  # its last layers did not run: what ran is measured
+            super().abort_forward(failed)
+            return
         if current is not None:
             # Drop what the observed layers hold: the pushed tensors and the inputs keep
             # their history, and so the failed step's graph (NOTE [What a measured ...]).
@@ -226,9 +229,9 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
         self._inputs = {}
         self._with_grad.clear()
         if self.measuring(current):
-            self.why_unmeasured = "the measured forward raised an exception"
+            self.why_unmeasured = "the measured forward raised an exception, or was left"
             self._stop_measuring(again=True)  # an exception: measure the next pass
-        super().abort_forward()
+        super().abort_forward(failed)
 
     def _layer_ended(
         self, forward_pass: ForwardPass, layer: int, state: ObservedLayerState
