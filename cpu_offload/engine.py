@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .amounts import FORMS, parse_bytes
 from .backend import DeviceBackend, Stream
 from .copy_timer import CopyTimer
 from .device import get_backend
@@ -76,11 +77,13 @@ class OffloadEngine:
         device: torch.device | str | None = None,
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
         min_offload_bytes: int = 0,
-        max_host_bytes: int | None = None,
+        max_host_bytes: int | str | None = None,
     ) -> None:
         check_count("min_offload_bytes", min_offload_bytes, "an int >= 0")
         if max_host_bytes is not None:
-            check_count("max_host_bytes", max_host_bytes, "an int >= 0 (bytes) or None (no cap)")
+            max_host_bytes = parse_bytes(
+                max_host_bytes, "max_host_bytes", "cpu_offload", forms=f"{FORMS}, or None (no cap)"
+            )
         if offload_stream is not None and not isinstance(offload_stream, Stream):
             raise TypeError(
                 "cpu_offload: offload_stream must be a stream of the device (such as "

@@ -6,11 +6,13 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cli import Parser, at_least, device, int_list, output_file, plot_file, positive_float_list
+from ..cli import Parser, at_least, device, int_list, memory_amount_list, output_file, plot_file
 from ..device_profiles import PROFILES, get_profile
 from ..models import DTYPES
 from ..presets import MODEL_PRESETS
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
+
+GIB = 2**30
 
 __all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
 
@@ -122,10 +124,10 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     parser.add_argument(
         "--memory-budget",
         metavar="GIB",
-        type=positive_float_list,
+        type=memory_amount_list("--memory-budget"),
         default=None,
         help="--simulate: also the policies the planner chooses for these budgets of "
-        "activation memory (comma-separated GiB)",
+        "activation memory (comma-separated: GiB, or sizes with their unit: 10,512MiB)",
     )
     parser.add_argument(
         "--trace",
@@ -197,7 +199,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         plot=args.plot,
         simulate=args.simulate,
         trace=args.trace,
-        memory_budget=args.memory_budget,
+        memory_budget=None if args.memory_budget is None else [b / GIB for b in args.memory_budget],
         **values,  # type: ignore[arg-type]
     )
 

@@ -9,7 +9,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..cli import Parser, at_least, int_in, output_file, plot_file, positive_float
+from ..cli import (
+    Parser,
+    at_least,
+    fraction,
+    int_in,
+    memory_amount,
+    output_file,
+    plot_file,
+    positive_float,
+)
 from ..models import DTYPES
 from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES
@@ -24,17 +33,6 @@ from .schedule_model import PlanRow
 GIB = 2**30
 PLAN_PRESETS = ["tiny", "llama8b-layer", "mixtral8x7b-layer", "tiny-moe"]
 GPT_LAYERS = 32  # the stack a --gpt layer is planned in, unless --layers says otherwise
-
-
-def _fraction(text: str) -> float:
-    """An argparse type: a float >= 0 (an overhead as a fraction: 0.02 is 2%)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction >= 0, such as 0.02")
-    return value
 
 
 def parser() -> Parser:
@@ -63,12 +61,19 @@ def parser() -> Parser:
         "--flops", type=positive_float, default=None, help="FLOP/s to assume instead"
     )
     parser.add_argument("--min-offload-numel", type=at_least(0), default=DEFAULT_MIN_OFFLOAD_NUMEL)
-    parser.add_argument("--overhead", type=_fraction, default=0.02, help="allowed step overhead")
+    parser.add_argument(
+        "--overhead",
+        type=fraction,
+        default=0.02,
+        help="allowed step overhead: a fraction up to 1 (0.02) or a percentage (2%%)",
+    )
     parser.add_argument(
         "--memory-budget",
-        type=positive_float,
+        type=memory_amount("--memory-budget"),
         default=None,
-        help="GiB of saved activations: also choose keep/offload/checkpoint per layer",
+        metavar="GIB",
+        help="saved activations allowed: GiB (20, 0.5) or a size with its unit (512MiB); "
+        "also choose keep/offload/checkpoint per layer",
     )
     parser.add_argument(
         "--modules",
@@ -338,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.memory_budget is not None and num_layers > MAX_SEARCH_LAYERS:
         cli.error(
-            f"--memory-budget {args.memory_budget:g}: the policy search takes at most "
+            f"--memory-budget {args.memory_budget / GIB:g}: the policy search takes at most "
             f"{MAX_SEARCH_LAYERS} layers, not {num_layers} (its family of policies grows as "
             f"L^3); pass --layers 2..{MAX_SEARCH_LAYERS}, or leave out --memory-budget"
         )
@@ -350,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--memory-budget GiB and leave out --modules"
         )
     modules = modules_argument(args.modules) if args.modules else None
-    budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
+    budget = args.memory_budget  # bytes
     per_module = None
     if args.per_module and budget is not None:
         measure = dict(kwargs=spec.kwargs, min_offload_numel=args.min_offload_numel)

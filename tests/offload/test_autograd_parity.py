@@ -79,7 +79,7 @@ class Offload:
         if self.k is not None:
             budget, link = BUDGETS[self.k]
             handle = offload_layers(
-                modules, memory_budget=budget, min_offload_numel=0, copy_bandwidth=link
+                modules, memory_budget=f"{budget}B", min_offload_numel=0, copy_bandwidth=link
             )
             self.handles.append(handle.context)
 
@@ -533,7 +533,7 @@ def host_memory_cap_below_the_need(off: Offload) -> list[torch.Tensor]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the cap's warning
             ctx, sync_fn = get_cpu_offload_context(
-                True, off.k, L, min_offload_numel=0, max_host_bytes=4096
+                True, off.k, L, min_offload_numel=0, max_host_bytes="4KiB"
             )
         off.handles.append(ctx)
     x = leaf(32, 16)  # 2 KiB per saved tensor: one fits in the cap's block, then none

@@ -205,7 +205,7 @@ def test_offload_activations_reports_what_its_hook_got(monkeypatch):
 def test_the_host_cap_is_a_reason_to_stay():
     layers = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)]
     ctx, sync_fn = get_cpu_offload_context(
-        True, 3, 4, min_offload_numel=0, max_host_bytes=3 * 32 * 64 * 4
+        True, 3, 4, min_offload_numel=0, max_host_bytes=f"{3 * 32 * 64 * 4}B"
     )
     with pytest.warns(UserWarning, match="max_host_bytes"):
         step(layers, ctx, sync_fn)
@@ -222,7 +222,9 @@ def test_a_tensor_saved_again_after_the_host_cap_kept_it_counts_as_kept():
     max_host_bytes, it is kept (not moved) in the later chunk too."""
     weights = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
     for cap in (None, 20_000):
-        ctx = ChunkedOffload(chunk_bytes=64 * 64 * 4, min_offload_numel=0, max_host_bytes=cap)
+        ctx = ChunkedOffload(
+            chunk_bytes=64 * 64 * 4, min_offload_numel=0, max_host_bytes=cap and f"{cap}B"
+        )
         x = torch.randn(64, 64, requires_grad=True)
         with pytest.warns() if cap else contextlib.nullcontext(), ctx:
             h = x.sin()
