@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 import weakref
@@ -22,7 +23,7 @@ from .layer_discovery import locate_layers, primary_tensor
 from .log import logger, warn
 from .marking import mark_not_offload
 from .module_choices import ModuleChoices, resolve_modules
-from .module_hooks import ModuleHook, call_running
+from .module_hooks import ModuleHook, call_running, layer_hook_owner
 from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
 from .schedule import max_offloaded, resolve_count
 from .step_report import StepReport
@@ -194,6 +195,20 @@ class OffloadLayersHandle:
         self.remove()
 
 
+def check_options(options: Mapping[str, Any]) -> None:
+    """``offload_layers``' keywords beyond its own: those of ``get_cpu_offload_context``
+    it does not set itself, and ``copy_bandwidth``; another is refused in its name."""
+    taken = ("enabled", "num_layers", "model_layers")
+    known = [n for n in inspect.signature(get_cpu_offload_context).parameters if n not in taken]
+    unknown = [name for name in options if name not in known and name != "copy_bandwidth"]
+    if unknown:
+        raise TypeError(
+            f"offload_layers() got an unexpected keyword argument {unknown[0]!r}; it takes "
+            "num_offloaded_layers (k), policy=, memory_budget=, modules=, copy_bandwidth= "
+            f"and these keywords of get_cpu_offload_context(): {', '.join(known)}."
+        )
+
+
 def offload_layers(
     model: nn.Module | Sequence[nn.Module],
     num_offloaded_layers: int | float | None = None,
@@ -256,6 +271,7 @@ def offload_layers(
         2
         >>> handle.remove()
     """
+    check_options(options)
     layers, where = locate_layers(model)
     manual = bool(options.get("manual_synchronization", False))
     owner = type(model).__name__
@@ -270,6 +286,15 @@ def offload_layers(
             f"offload_layers: {owner} holds no layers, so there is nothing to offload; pass "
             "the model's decoder layers (a non-empty list or ModuleList)."
         )
+    for index, layer in enumerate(layers):
+        earlier = layer_hook_owner(layer)
+        if earlier is not None:
+            raise RuntimeError(
+                f"offload_layers: layer {index} ({type(layer).__name__}) is already hooked by "
+                f"an earlier offload_layers call, {earlier!r}; a second set of hooks would "
+                "leave that handle moving nothing. Call handle.remove() on the earlier "
+                "handle first, or keep using it."
+            )
     if "offloaded_layers" in options:
         chooser = "policy=[...]" if policy is not None else f"k={num_offloaded_layers!r}"
         chooser = "memory_budget=..." if memory_budget is not None else chooser
@@ -371,7 +396,7 @@ def offload_layers(
 
     # Compiled layers run the hooks eagerly, around the compiled forward: the saved-
     # tensor hooks they enter apply to the compiled graph's saved tensors at run time.
-    pre_hook = ModuleHook(torch.compiler.disable(enter))
+    pre_hook = ModuleHook(torch.compiler.disable(enter), owner=handle)
     post_hook = ModuleHook(torch.compiler.disable(leave))
     unique = list({id(layer): layer for layer in layers}.values())  # a shared module once
     for layer in unique:

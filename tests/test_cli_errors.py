@@ -30,6 +30,26 @@ CASES = [
     ),
     ("cpu_offload.plan", ["--memory-budget", "0"], "argument --memory-budget: '0': expected a"),
     ("cpu_offload.plan", ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (
+        "cpu_offload.plan",
+        ["--preset", "tiny", "--hidden", "512"],
+        "--hidden 512: shapes the layer of --gpt only; --preset tiny has its own",
+    ),
+    (
+        "cpu_offload.plan",
+        ["--hf-config", "missing/config.json", "--heads", "4"],
+        "--heads 4: shapes the layer of --gpt only; --hf-config has its own",
+    ),
+    (
+        "cpu_offload.plan",
+        ["--dtype", "fp32"],
+        "--dtype fp32: shapes the layer of --gpt and --hf-config only; --preset llama8b-layer",
+    ),
+    (
+        "cpu_offload.bench",
+        ["--preset", "tiny", "--simulate", "h100", "--layers", "100000"],
+        "--layers 100000: a modeled run takes at most 512 layers, as the planner does",
+    ),
     ("cpu_offload.plan", ["--device", "tpu"], "--device tpu: unknown device profile 'tpu'"),
     ("cpu_offload.plan", ["--hf-config", "missing/config.json"], "no such file"),
     ("cpu_offload.bench", ["--steps", "0"], "argument --steps: '0': expected an int >= 1"),

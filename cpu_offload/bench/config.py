@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..cli import Parser, at_least, device, int_list, memory_amount_list, output_file, plot_file
 from ..device_profiles import PROFILES, get_profile
 from ..models import DTYPES
+from ..plan.planner import MAX_LAYERS
 from ..presets import MODEL_PRESETS
 from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
@@ -213,6 +214,11 @@ def _check_simulate(parser: Parser, args: argparse.Namespace) -> None:
         return
     if args.preset == "hooks":
         parser.error("--simulate: models a Llama preset (tiny, llama8b-layer), not --preset hooks")
+    if args.layers is not None and args.layers > MAX_LAYERS:
+        parser.error(
+            f"--layers {args.layers}: a modeled run takes at most {MAX_LAYERS} layers, as the "
+            f"planner does; pass --layers 2..{MAX_LAYERS}"
+        )
     if args.device is not None:
         parser.error(
             f"--device {args.device}: --simulate runs on a modeled device, not on this "

@@ -47,14 +47,16 @@ def parser() -> Parser:
     )
     source.add_argument("--hf-config", help="a local config.json (or folder), or a cached model")
     source.add_argument("--gpt", action="store_true", help="a GPT layer (Korthikanti et al.)")
-    parser.add_argument("--hidden", type=at_least(1), default=4096, help="--gpt only")
-    parser.add_argument("--heads", type=at_least(1), default=32, help="--gpt only")
+    parser.add_argument("--hidden", type=at_least(1), default=None, help="--gpt only (4096)")
+    parser.add_argument("--heads", type=at_least(1), default=None, help="--gpt only (32)")
     parser.add_argument("--seq", type=at_least(1), default=None)
     parser.add_argument("--batch", type=at_least(1), default=None)
     parser.add_argument(
         "--layers", type=int_in(2, MAX_LAYERS), default=None, help="L (default: the model's)"
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--gpt, HF")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="--gpt and --hf-config only (bf16)"
+    )
     parser.add_argument("--attention", choices=ATTENTIONS, default="flash")
     parser.add_argument("--device", default="h100", help=f"{', '.join(PROFILES)}, or a JSON file")
     parser.add_argument(
@@ -322,9 +324,31 @@ def print_saved_by(profile: LayerProfile) -> None:
     print(f"modules= keeps {kept / 2**20:.0f} MiB per layer on the device")
 
 
+def check_shape_flags(cli: Parser, args: argparse.Namespace) -> None:
+    """``--hidden``, ``--heads`` and ``--dtype`` shape the layer of ``--gpt`` (and
+    ``--dtype`` that of ``--hf-config``); a preset has its own, so with one they are
+    refused rather than ignored.  Fills in the defaults where they apply."""
+    source = "--hf-config" if args.hf_config else f"--preset {args.preset or 'llama8b-layer'}"
+    for flag, value, applies in (
+        ("--hidden", args.hidden, args.gpt),
+        ("--heads", args.heads, args.gpt),
+        ("--dtype", args.dtype, args.gpt or args.hf_config),
+    ):
+        if value is not None and not applies:
+            takes = "--gpt and --hf-config" if flag == "--dtype" else "--gpt"
+            cli.error(
+                f"{flag} {value}: shapes the layer of {takes} only; {source} has its own "
+                f"(see its description), so {flag} would be ignored: leave it out, or pass "
+                f"{takes.split(' and ')[0]}"
+            )
+    args.hidden, args.heads = args.hidden or 4096, args.heads or 32
+    args.dtype = args.dtype or "bf16"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
+    check_shape_flags(cli, args)
     if args.gpt and args.hidden % args.heads:
         cli.error(f"--hidden {args.hidden}: expected a multiple of --heads {args.heads}")
     try:
