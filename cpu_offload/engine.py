@@ -21,10 +21,11 @@ from .copy_timer import CopyTimer
 from .device import get_backend
 from .host_buffers import HostBufferPool
 from .layer_state import OffloadableLayerState
+from .policy import KEEP, OFFLOAD, describe_policy
 from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .stats import OffloadStats
 from .step_record import Measured, StepRecord
-from .step_report import StepRecorder, StepReport, layer_ranges
+from .step_report import StepRecorder, StepReport
 
 __all__ = ["OffloadEngine", "check_count"]
 
@@ -157,10 +158,10 @@ class OffloadEngine:
         offloaded = self.offloaded_layers
         if offloaded is None:
             schedule = "a manual controller offloads"
-        elif offloaded:
-            schedule = f"offload layers {layer_ranges(offloaded)} (k={len(offloaded)})"
-        else:
-            schedule = "offload none (k=0)"
+        else:  # in the words of offload_layers' handle: "layers 0-1 offload, 2-3 keep"
+            chosen = set(offloaded)
+            policy = [OFFLOAD if i in chosen else KEEP for i in range(self.model_layers)]
+            schedule = f"layers {describe_policy(policy)} (k={len(offloaded)})"
         return (
             f"{self.model_layers} layers per forward pass, {schedule}; {self.thresholds()}; "
             f"device {self.backend.device}"

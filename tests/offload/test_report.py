@@ -348,10 +348,10 @@ def test_reprs_say_where_the_layers_are_the_schedule_and_the_thresholds():
     handle = offload_layers(Model(), 2, min_offload_numel=7)
     text = repr(handle)
     assert text.startswith("OffloadLayersHandle(5 Linear at layers of Model; ")
-    assert "layers 0-1 offload, 2-4 keep (k=2)" in text
+    assert "layers 0-1 offload, 2-4 keep (k=2)" in text  # one way to say a schedule
     assert "min_offload_numel=7, min_offload_bytes=0, max_host_bytes=None" in text
     assert repr(handle.context) == (
-        "OffloadContext(5 layers per forward pass, offload layers 0-1 (k=2); "
+        "OffloadContext(5 layers per forward pass, layers 0-1 offload, 2-4 keep (k=2); "
         "min_offload_numel=7, min_offload_bytes=0, max_host_bytes=None; device cpu)"
         if str(handle.offload_synchronizer.backend.device) == "cpu"
         else repr(handle.context)
@@ -463,3 +463,20 @@ def test_moved_handles_are_what_the_report_counts_as_moved(monkeypatch):
     ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=33)
     step(layers, ctx, sync_fn)
     assert ctx.report().moved_tensors == sum(handles) == 6
+
+
+def test_figures_counting_the_same_thing_agree_and_a_schedule_is_said_one_way():
+    """Issue 39: the copies the report counts are the statistics' bytes, and the handle and
+    the context it made say the schedule in the same words."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4))
+    )
+    handle = offload_layers(model, 2, min_offload_numel=0)
+    model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    stats, figures = handle.offload_synchronizer.stats, handle.report().to_dict()
+    assert figures["copied_bytes"] == stats.bytes_offloaded == figures["reloaded_bytes"] > 0
+    assert figures["saved_tensors"] == figures["moved_tensors"] + figures["kept_tensors"]
+    words = "layers 0-1 offload, 2-3 keep (k=2)"
+    assert words in repr(handle) and words in repr(handle.context)
+    handle.remove()
