@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from .amounts import parse_flag_bytes
+from .device.amounts import parse_flag_bytes
 
 __all__ = [
     "Parser",
@@ -94,7 +94,7 @@ def positive_float(text: str) -> float:
 def memory_amount(flag: str) -> Callable[[str], int]:
     """An argparse type: an amount of memory > 0 as bytes; a bare number is GiB (``20``,
     ``0.5``), a string with a unit what it says (``512MiB``, ``0.01GiB``, ``20GB``):
-    :func:`cpu_offload.amounts.parse_flag_bytes`."""
+    :func:`cpu_offload.device.amounts.parse_flag_bytes`."""
 
     expected = "an amount of memory > 0: GiB (20, 0.5) or a size with its unit (512MiB)"
 
@@ -178,7 +178,7 @@ def int_list(minimum: int) -> Callable[[str], list[int]]:
 
 def device(text: str) -> str:
     """An argparse type: a device this package can use and this machine has."""
-    from .device import get_backend
+    from .device.runtime import get_backend
 
     try:
         get_backend(text)

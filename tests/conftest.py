@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from cpu_offload.device import available_device_type
+from cpu_offload.device.runtime import available_device_type
 from cpu_offload.testing import SimulatedBackend, strict_runtime, strict_streams
 
 
@@ -67,7 +67,11 @@ class TickingClock:
 
 #: the modules whose clocks decide what the offloader does (the measured step's layer
 #: times, the host and the simulated runtime's timing events)
-TIMED_MODULES = ("cpu_offload.measured_step", "cpu_offload.backend", "cpu_offload.testing.runtime")
+TIMED_MODULES = (
+    "cpu_offload.policy.measured_step",
+    "cpu_offload.device.backend",
+    "cpu_offload.testing.runtime",
+)
 
 
 @pytest.fixture(autouse=True)

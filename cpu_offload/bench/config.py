@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..cli import Parser, at_least, device, int_list, memory_amount_list, output_file, plot_file
-from ..device_profiles import PROFILES, get_profile
+from ..device.profiles import PROFILES, get_profile
+from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from ..models import DTYPES
+from ..models.presets import MODEL_PRESETS
 from ..plan.planner import MAX_LAYERS
-from ..presets import MODEL_PRESETS
-from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
 GIB = 2**30
 
