@@ -13,12 +13,17 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from .device.amounts import parse_flag_bytes
+
 __all__ = [
     "Parser",
     "at_least",
     "device",
+    "fraction",
     "int_in",
     "int_list",
+    "memory_amount",
+    "memory_amount_list",
     "output_file",
     "plot_file",
     "positive_float",
@@ -83,6 +88,64 @@ def positive_float(text: str) -> float:
         _flag_error("a number > 0")(text)
     if not value > 0 or value == float("inf"):
         _flag_error("a number > 0")(text)
+    return value
+
+
+def memory_amount(flag: str) -> Callable[[str], int]:
+    """An argparse type: an amount of memory > 0 as bytes; a bare number is GiB (``20``,
+    ``0.5``), a string with a unit what it says (``512MiB``, ``0.01GiB``, ``20GB``):
+    :func:`cpu_offload.device.amounts.parse_flag_bytes`."""
+
+    expected = "an amount of memory > 0: GiB (20, 0.5) or a size with its unit (512MiB)"
+
+    def parse(text: str) -> int:
+        try:
+            value = parse_flag_bytes(text, flag)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            _flag_error(expected)(text)
+        return value
+
+    parse.__name__ = "an amount of memory"
+    return parse
+
+
+def memory_amount_list(flag: str) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated :func:`memory_amount` (``10,20.5,512MiB``)."""
+    one = memory_amount(flag)
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [one(part) for part in text.split(",")]
+        except argparse.ArgumentTypeError:
+            _flag_error(
+                "comma-separated amounts of memory > 0: GiB (20, 0.5) or sizes with their "
+                "unit (512MiB)"
+            )(text)
+
+    parse.__name__ = "amounts of memory"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a fraction >= 0, as a number up to 1 (``0.05``) or a percentage
+    (``5%``); a bare number above 1 is refused (``5`` would be 500%)."""
+    stripped = text.strip()
+    percent = stripped.endswith("%")
+    try:
+        value = float(stripped.removesuffix("%"))
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        _flag_error("a fraction >= 0, such as 0.02 or 2%")(text)
+    if percent:
+        return value / 100
+    if value > 1:
+        _flag_error(
+            f"a fraction up to 1 (0.02 is 2%) or a percentage such as {stripped}%; a bare "
+            f"{stripped} would mean {value:.0%}: write {value * 100:g}% if you mean that"
+        )(text)
     return value
 
 

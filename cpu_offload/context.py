@@ -93,7 +93,7 @@ def get_cpu_offload_context(
     device: torch.device | str | None = ...,
     min_offload_numel: int = ...,
     min_offload_bytes: int = ...,
-    max_host_bytes: int | None = ...,
+    max_host_bytes: int | str | None = ...,
     offloaded_layers: Sequence[int] | None = ...,
 ) -> tuple[ContextManager, SyncFn]: ...
 
@@ -113,7 +113,7 @@ def get_cpu_offload_context(
     device: torch.device | str | None = ...,
     min_offload_numel: int = ...,
     min_offload_bytes: int = ...,
-    max_host_bytes: int | None = ...,
+    max_host_bytes: int | str | None = ...,
 ) -> tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]: ...
 
 
@@ -132,7 +132,7 @@ def get_cpu_offload_context(
     device: torch.device | str | None = ...,
     min_offload_numel: int = ...,
     min_offload_bytes: int = ...,
-    max_host_bytes: int | None = ...,
+    max_host_bytes: int | str | None = ...,
     offloaded_layers: Sequence[int] | None = ...,
 ) -> _Result: ...
 
@@ -151,7 +151,7 @@ def get_cpu_offload_context(
     device: torch.device | str | None = None,
     min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
     min_offload_bytes: int = 0,
-    max_host_bytes: int | None = None,
+    max_host_bytes: int | str | None = None,
     offloaded_layers: Sequence[int] | None = None,
 ) -> _Result:
     """Offload the activations of chosen layers to host memory.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 import weakref
@@ -18,7 +19,7 @@ from .engine.schedule import max_offloaded, resolve_count
 from .errors import CpuOffloadError
 from .hooks.autograd_hooks import checkpoint_forward_active, forward_inside_backward
 from .hooks.marking import mark_not_offload
-from .hooks.module_hooks import ModuleHook, call_running
+from .hooks.module_hooks import ModuleHook, call_running, layer_hook_owner
 from .log import logger, warn
 from .policy.checkpointing import checkpoint_forward
 from .policy.handle_summary import found_layers, schedule_of
@@ -194,6 +195,20 @@ class OffloadLayersHandle:
         self.remove()
 
 
+def check_options(options: Mapping[str, Any]) -> None:
+    """``offload_layers``' keywords beyond its own: those of ``get_cpu_offload_context``
+    it does not set itself, and ``copy_bandwidth``; another is refused in its name."""
+    taken = ("enabled", "num_layers", "model_layers")
+    known = [n for n in inspect.signature(get_cpu_offload_context).parameters if n not in taken]
+    unknown = [name for name in options if name not in known and name != "copy_bandwidth"]
+    if unknown:
+        raise TypeError(
+            f"offload_layers() got an unexpected keyword argument {unknown[0]!r}; it takes "
+            "num_offloaded_layers (k), policy=, memory_budget=, modules=, copy_bandwidth= "
+            f"and these keywords of get_cpu_offload_context(): {', '.join(known)}."
+        )
+
+
 def offload_layers(
     model: nn.Module | Sequence[nn.Module],
     num_offloaded_layers: int | float | None = None,
@@ -256,6 +271,7 @@ def offload_layers(
         2
         >>> handle.remove()
     """
+    check_options(options)
     layers, where = locate_layers(model)
     manual = bool(options.get("manual_synchronization", False))
     owner = type(model).__name__
@@ -345,6 +361,15 @@ def _check_arguments(
             f"offload_layers: {owner} holds no layers, so there is nothing to offload; pass "
             "the model's decoder layers (a non-empty list or ModuleList)."
         )
+    for index, layer in enumerate(layers):
+        earlier = layer_hook_owner(layer)
+        if earlier is not None:
+            raise RuntimeError(
+                f"offload_layers: layer {index} ({type(layer).__name__}) is already hooked by "
+                f"an earlier offload_layers call, {earlier!r}; a second set of hooks would "
+                "leave that handle moving nothing. Call handle.remove() on the earlier "
+                "handle first, or keep using it."
+            )
     if "offloaded_layers" in options:
         chooser = "policy=[...]" if policy is not None else f"k={num_offloaded_layers!r}"
         chooser = "memory_budget=..." if memory_budget is not None else chooser
@@ -414,4 +439,7 @@ def _forward_hooks(
 
     # Compiled layers run the hooks eagerly, around the compiled forward: the saved-
     # tensor hooks they enter apply to the compiled graph's saved tensors at run time.
-    return ModuleHook(torch.compiler.disable(enter)), ModuleHook(torch.compiler.disable(leave))
+    return (
+        ModuleHook(torch.compiler.disable(enter), owner=handle),
+        ModuleHook(torch.compiler.disable(leave)),
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -41,6 +42,46 @@ def streams(request: pytest.FixtureRequest):
             sim = runtime.sim
             yield sim
     assert sim.counters.hazards == 0
+
+
+class TickingClock:
+    """``time`` as the offloader reads it in tests: every reading of a clock is one
+    :attr:`TICK` after the last, so that what the offloader times (a layer's forward in
+    the measured step, a timed copy) is the same on an idle machine and a loaded one.
+    Everything else is the real ``time`` module."""
+
+    TICK = 1e-3
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def _tick(self) -> float:
+        self.now += self.TICK
+        return self.now
+
+    perf_counter = thread_time = monotonic = process_time = _tick
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+#: the modules whose clocks decide what the offloader does (the measured step's layer
+#: times, the host and the simulated runtime's timing events)
+TIMED_MODULES = (
+    "cpu_offload.policy.measured_step",
+    "cpu_offload.device.backend",
+    "cpu_offload.testing.runtime",
+)
+
+
+@pytest.fixture(autouse=True)
+def ticking_clock(monkeypatch: pytest.MonkeyPatch) -> TickingClock:
+    """No test decides from a wall clock (shared/SPEC.md): the clocks the offloader's
+    decisions read tick by a fixed step per reading (:class:`TickingClock`)."""
+    clock = TickingClock()
+    for module in TIMED_MODULES:
+        monkeypatch.setattr(f"{module}.time", clock)
+    return clock
 
 
 @pytest.fixture

@@ -21,8 +21,35 @@ CASES = [
     ("cpu_offload", ["--hidden", "30"], "--hidden 30: expected a multiple of --heads 4"),
     ("cpu_offload.plan", ["--seq", "-5"], "argument --seq: '-5': expected an int >= 1"),
     ("cpu_offload.plan", ["--overhead", "-1"], "argument --overhead: '-1': expected a fraction"),
+    ("cpu_offload.plan", ["--overhead", "5"], "'5': expected a fraction up to 1 (0.02 is 2%) or a"),
+    ("cpu_offload.plan", ["--memory-budget", "1x"], "'1x': expected an amount of memory > 0"),
+    (
+        "cpu_offload.bench",
+        ["--memory-budget", "10,-1"],
+        "'10,-1': expected comma-separated amounts",
+    ),
     ("cpu_offload.plan", ["--memory-budget", "0"], "argument --memory-budget: '0': expected a"),
     ("cpu_offload.plan", ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (
+        "cpu_offload.plan",
+        ["--preset", "tiny", "--hidden", "512"],
+        "--hidden 512: shapes the layer of --gpt only; --preset tiny has its own",
+    ),
+    (
+        "cpu_offload.plan",
+        ["--hf-config", "missing/config.json", "--heads", "4"],
+        "--heads 4: shapes the layer of --gpt only; --hf-config has its own",
+    ),
+    (
+        "cpu_offload.plan",
+        ["--dtype", "fp32"],
+        "--dtype fp32: shapes the layer of --gpt and --hf-config only; --preset llama8b-layer",
+    ),
+    (
+        "cpu_offload.bench",
+        ["--preset", "tiny", "--simulate", "h100", "--layers", "100000"],
+        "--layers 100000: a modeled run takes at most 512 layers, as the planner does",
+    ),
     ("cpu_offload.plan", ["--device", "tpu"], "--device tpu: unknown device profile 'tpu'"),
     ("cpu_offload.plan", ["--hf-config", "missing/config.json"], "no such file"),
     ("cpu_offload.bench", ["--steps", "0"], "argument --steps: '0': expected an int >= 1"),
@@ -34,7 +61,7 @@ CASES = [
     (
         "cpu_offload.plan.module_search",
         ["--budgets", "-1"],
-        "--budgets: '-1': expected a number > 0",
+        "--budgets: '-1': expected an amount of memory > 0: GiB (20, 0.5) or a size",
     ),
     ("cpu_offload.plan.module_search", ["--presets", "huge"], "--presets: unknown preset 'huge'"),
     ("cpu_offload.plan.module_search", ["--devices", "tpu"], "--devices: unknown device profile"),
@@ -298,7 +325,7 @@ def test_a_config_file_of_another_name_is_the_one_planned(tmp_path, capsys):
         (["--memory-budget", "20"], "--memory-budget: needs --simulate PROFILE"),
         (
             ["--simulate", "h100", "--memory-budget", "20,x"],
-            "argument --memory-budget: '20,x': expected comma-separated numbers > 0",
+            "argument --memory-budget: '20,x': expected comma-separated amounts of memory > 0",
         ),
         (["--simulate", "h100", "--device", "cpu"], "--device cpu: --simulate runs on a modeled"),
         (

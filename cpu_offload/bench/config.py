@@ -6,11 +6,14 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cli import Parser, at_least, device, int_list, output_file, plot_file, positive_float_list
+from ..cli import Parser, at_least, device, int_list, memory_amount_list, output_file, plot_file
 from ..device.profiles import PROFILES, get_profile
 from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from ..models import DTYPES
 from ..models.presets import MODEL_PRESETS
+from ..plan.planner import MAX_LAYERS
+
+GIB = 2**30
 
 __all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
 
@@ -101,7 +104,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         plot=args.plot,
         simulate=args.simulate,
         trace=args.trace,
-        memory_budget=args.memory_budget,
+        memory_budget=None if args.memory_budget is None else [b / GIB for b in args.memory_budget],
         **values,  # type: ignore[arg-type]
     )
 
@@ -169,10 +172,10 @@ def _parser() -> Parser:
     parser.add_argument(
         "--memory-budget",
         metavar="GIB",
-        type=positive_float_list,
+        type=memory_amount_list("--memory-budget"),
         default=None,
         help="--simulate: also the policies the planner chooses for these budgets of "
-        "activation memory (comma-separated GiB)",
+        "activation memory (comma-separated: GiB, or sizes with their unit: 10,512MiB)",
     )
     parser.add_argument(
         "--trace",
@@ -230,6 +233,11 @@ def _check_simulate(parser: Parser, args: argparse.Namespace) -> None:
         return
     if args.preset == "hooks":
         parser.error("--simulate: models a Llama preset (tiny, llama8b-layer), not --preset hooks")
+    if args.layers is not None and args.layers > MAX_LAYERS:
+        parser.error(
+            f"--layers {args.layers}: a modeled run takes at most {MAX_LAYERS} layers, as the "
+            f"planner does; pass --layers 2..{MAX_LAYERS}"
+        )
     if args.device is not None:
         parser.error(
             f"--device {args.device}: --simulate runs on a modeled device, not on this "

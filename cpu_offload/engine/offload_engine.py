@@ -15,13 +15,15 @@ from typing import Any
 
 import torch
 
+from ..device.amounts import FORMS, parse_bytes
 from ..device.backend import DeviceBackend, Stream
 from ..device.runtime import get_backend
 from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from ..report.copy_timer import CopyTimer
+from ..report.policy_words import describe_policy
 from ..report.stats import OffloadStats
 from ..report.step_record import Measured, StepRecord
-from ..report.step_report import StepRecorder, StepReport, layer_ranges
+from ..report.step_report import StepRecorder, StepReport
 from .host_buffers import HostBufferPool
 from .layer_state import OffloadableLayerState
 
@@ -76,11 +78,13 @@ class OffloadEngine:
         device: torch.device | str | None = None,
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
         min_offload_bytes: int = 0,
-        max_host_bytes: int | None = None,
+        max_host_bytes: int | str | None = None,
     ) -> None:
         check_count("min_offload_bytes", min_offload_bytes, "an int >= 0")
         if max_host_bytes is not None:
-            check_count("max_host_bytes", max_host_bytes, "an int >= 0 (bytes) or None (no cap)")
+            max_host_bytes = parse_bytes(
+                max_host_bytes, "max_host_bytes", "cpu_offload", forms=f"{FORMS}, or None (no cap)"
+            )
         if offload_stream is not None and not isinstance(offload_stream, Stream):
             raise TypeError(
                 "cpu_offload: offload_stream must be a stream of the device (such as "
@@ -154,10 +158,10 @@ class OffloadEngine:
         offloaded = self.offloaded_layers
         if offloaded is None:
             schedule = "a manual controller offloads"
-        elif offloaded:
-            schedule = f"offload layers {layer_ranges(offloaded)} (k={len(offloaded)})"
-        else:
-            schedule = "offload none (k=0)"
+        else:  # in the words of offload_layers' handle: "layers 0-1 offload, 2-3 keep"
+            chosen = set(offloaded)
+            policy = ["offload" if i in chosen else "keep" for i in range(self.model_layers)]
+            schedule = f"layers {describe_policy(policy)} (k={len(offloaded)})"
         return (
             f"{self.model_layers} layers per forward pass, {schedule}; {self.thresholds()}; "
             f"device {self.backend.device}"

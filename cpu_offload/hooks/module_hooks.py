@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ModuleHook", "PassThrough", "call_running"]
+__all__ = ["ModuleHook", "PassThrough", "call_running", "layer_hook_owner"]
 
 
 class PassThrough:
@@ -36,10 +36,11 @@ class ModuleHook:
         it too.
     """
 
-    __slots__ = ("function",)
+    __slots__ = ("function", "owner")
 
-    def __init__(self, function: Callable[..., None]) -> None:
+    def __init__(self, function: Callable[..., None], owner: object = None) -> None:
         self.function = function
+        self.owner = owner  # the handle whose layer hook this is (None: a submodule's)
 
     def __call__(self, *args: Any) -> None:
         self.function(*args)
@@ -49,6 +50,14 @@ class ModuleHook:
 
     def __reduce__(self) -> tuple[type[PassThrough], tuple[()]]:
         return PassThrough, ()
+
+
+def layer_hook_owner(module: nn.Module) -> object:
+    """The handle of :func:`offload_layers` whose layer hooks ``module`` carries, or None."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, ModuleHook) and hook.owner is not None:
+            return hook.owner
+    return None
 
 
 _CALL_IMPL = nn.Module._call_impl.__code__

@@ -101,7 +101,7 @@ class OffloadActivations(ChunkedOffload):
         *,
         chunk_bytes: int | None = None,
         device: Any = None,
-        max_host_bytes: int | None = None,
+        max_host_bytes: int | str | None = None,
         retain_pinned_cpu_buffers: bool = False,
     ) -> None:
         for name, flag in (("use_pin_memory", use_pin_memory), ("use_streams", use_streams)):
@@ -116,6 +116,7 @@ class OffloadActivations(ChunkedOffload):
             raise ValueError(
                 f"OffloadActivations: max_fwd_stash_size must be >= 1, got {max_fwd_stash_size}."
             )
+        check_threshold(min_offload_size, "OffloadActivations")
         super().__init__(
             chunk_bytes,
             device=device,
@@ -169,6 +170,18 @@ class OffloadLayersContext:
         return f"OffloadLayersContext({self.handle!r})"
 
 
+def check_threshold(min_offload_size: object, api: str) -> None:
+    """TRL's ``min_offload_size=`` (bytes): an int >= 0, refused in its own name."""
+    if isinstance(min_offload_size, bool) or not isinstance(min_offload_size, int):
+        raise TypeError(
+            f"{api}: min_offload_size must be an int >= 0 (bytes), got {min_offload_size!r}."
+        )
+    if min_offload_size < 0:
+        raise ValueError(
+            f"{api}: min_offload_size must be an int >= 0 (bytes), got {min_offload_size!r}."
+        )
+
+
 def get_act_offloading_ctx_manager(
     model: nn.Module,
     enable_activation_offloading: bool = True,
@@ -207,6 +220,7 @@ def get_act_offloading_ctx_manager(
     if not enable_activation_offloading:
         return contextlib.nullcontext()
     if min_offload_size is not None:  # TRL's threshold in bytes replaces ours in elements
+        check_threshold(min_offload_size, "get_act_offloading_ctx_manager")
         options.setdefault("min_offload_bytes", min_offload_size)
         options.setdefault("min_offload_numel", 0)
     if memory_budget is not None:

@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hooks.marking import start_offload
-
 __all__ = ["Llama", "LlamaConfig", "LlamaLayer"]
 
 
@@ -46,21 +44,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+        dtype = x.dtype
+        x = x.float()  # one float32 copy, as transformers' LlamaRMSNorm makes
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
 
 
-def rotary(seq: int, dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """Angles ``(seq, dim / 2)`` of rotary position embeddings."""
+def rotary(
+    seq: int, dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` ``(1, 1, seq, dim)`` of rotary position embeddings, computed
+    in float32 and handed over in ``dtype`` (as transformers' ``LlamaRotaryEmbedding``)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
-    return torch.outer(torch.arange(seq, device=device).float(), inv_freq)
+    angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)[None, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of ``x`` (batch, heads, seq, head_dim) by ``angles``."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (batch, heads, seq, head_dim) as transformers'
+    ``apply_rotary_pos_emb`` does: ``x * cos + rotate_half(x) * sin``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class LlamaLayer(nn.Module):
@@ -76,7 +81,8 @@ class LlamaLayer(nn.Module):
         self.v = nn.Linear(config.hidden, config.kv_heads * head_dim, bias=False)
         self.out = nn.Linear(config.hidden, config.hidden, bias=False)
         self.mlp_norm = RMSNorm(config.hidden)
-        self.gate_up = nn.Linear(config.hidden, 2 * config.ffn, bias=False)
+        self.gate = nn.Linear(config.hidden, config.ffn, bias=False)
+        self.up = nn.Linear(config.hidden, config.ffn, bias=False)
         self.down = nn.Linear(config.ffn, config.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,16 +100,15 @@ class LlamaLayer(nn.Module):
             proj(normed).view(batch, seq, -1, head_dim).transpose(1, 2)
             for proj in (self.q, self.k, self.v)
         )
-        angles = rotary(seq, head_dim, config.rope_theta, x.device)
-        q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        cos, sin = rotary(seq, head_dim, config.rope_theta, x.device, x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return x + self.out(attention.transpose(1, 2).reshape(batch, seq, hidden))
 
     def feed_forward(self, normed: torch.Tensor) -> torch.Tensor:
-        """The MLP (SwiGLU) of the normalized hidden states."""
-        gate, up = self.gate_up(normed).chunk(2, dim=-1)
-        start_offload(gate, up, offload_base_tensor=True)  # one copy of the fused output
-        return self.down(F.silu(gate) * up)
+        """The MLP (SwiGLU) of the normalized hidden states, as transformers'
+        ``LlamaMLP``: ``down(silu(gate(x)) * up(x))``."""
+        return self.down(F.silu(self.gate(normed)) * self.up(normed))
 
 
 class Llama(nn.Module):

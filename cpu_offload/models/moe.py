@@ -111,7 +111,7 @@ class MoeLayer(LlamaLayer):
 
     def __init__(self, config: MoeConfig) -> None:
         super().__init__(config)
-        del self.gate_up, self.down
+        del self.gate, self.up, self.down
         self.mlp = MoeMlp(config)
 
     def feed_forward(self, normed: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@
   chosen for ``offload_layers(model, memory_budget=...)`` from a measured step, applied
   and watched; the core reaches it lazily, so ``import cpu_offload`` loads no planner.
 
-May import: policy, engine, hooks, device, models, cli, log.
+May import: policy, engine, report, hooks, device, models, cli, log.
 """
 
 from __future__ import annotations

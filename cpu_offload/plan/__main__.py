@@ -9,7 +9,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..cli import Parser, at_least, int_in, output_file, plot_file, positive_float
+from ..cli import (
+    Parser,
+    at_least,
+    fraction,
+    int_in,
+    memory_amount,
+    output_file,
+    plot_file,
+    positive_float,
+)
 from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES
 from ..models import DTYPES
 from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
@@ -26,17 +35,6 @@ PLAN_PRESETS = ["tiny", "llama8b-layer", "mixtral8x7b-layer", "tiny-moe"]
 GPT_LAYERS = 32  # the stack a --gpt layer is planned in, unless --layers says otherwise
 
 
-def _fraction(text: str) -> float:
-    """An argparse type: a float >= 0 (an overhead as a fraction: 0.02 is 2%)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction >= 0, such as 0.02")
-    return value
-
-
 def parser() -> Parser:
     parser = Parser(
         prog="python -m cpu_offload.plan",
@@ -49,26 +47,35 @@ def parser() -> Parser:
     )
     source.add_argument("--hf-config", help="a local config.json (or folder), or a cached model")
     source.add_argument("--gpt", action="store_true", help="a GPT layer (Korthikanti et al.)")
-    parser.add_argument("--hidden", type=at_least(1), default=4096, help="--gpt only")
-    parser.add_argument("--heads", type=at_least(1), default=32, help="--gpt only")
+    parser.add_argument("--hidden", type=at_least(1), default=None, help="--gpt only (4096)")
+    parser.add_argument("--heads", type=at_least(1), default=None, help="--gpt only (32)")
     parser.add_argument("--seq", type=at_least(1), default=None)
     parser.add_argument("--batch", type=at_least(1), default=None)
     parser.add_argument(
         "--layers", type=int_in(2, MAX_LAYERS), default=None, help="L (default: the model's)"
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--gpt, HF")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="--gpt and --hf-config only (bf16)"
+    )
     parser.add_argument("--attention", choices=ATTENTIONS, default="flash")
     parser.add_argument("--device", default="h100", help=f"{', '.join(PROFILES)}, or a JSON file")
     parser.add_argument(
         "--flops", type=positive_float, default=None, help="FLOP/s to assume instead"
     )
     parser.add_argument("--min-offload-numel", type=at_least(0), default=DEFAULT_MIN_OFFLOAD_NUMEL)
-    parser.add_argument("--overhead", type=_fraction, default=0.02, help="allowed step overhead")
+    parser.add_argument(
+        "--overhead",
+        type=fraction,
+        default=0.02,
+        help="allowed step overhead: a fraction up to 1 (0.02) or a percentage (2%%)",
+    )
     parser.add_argument(
         "--memory-budget",
-        type=positive_float,
+        type=memory_amount("--memory-budget"),
         default=None,
-        help="GiB of saved activations: also choose keep/offload/checkpoint per layer",
+        metavar="GIB",
+        help="saved activations allowed: GiB (20, 0.5) or a size with its unit (512MiB); "
+        "also choose keep/offload/checkpoint per layer",
     )
     parser.add_argument(
         "--modules",
@@ -317,9 +324,31 @@ def print_saved_by(profile: LayerProfile) -> None:
     print(f"modules= keeps {kept / 2**20:.0f} MiB per layer on the device")
 
 
+def check_shape_flags(cli: Parser, args: argparse.Namespace) -> None:
+    """``--hidden``, ``--heads`` and ``--dtype`` shape the layer of ``--gpt`` (and
+    ``--dtype`` that of ``--hf-config``); a preset has its own, so with one they are
+    refused rather than ignored.  Fills in the defaults where they apply."""
+    source = "--hf-config" if args.hf_config else f"--preset {args.preset or 'llama8b-layer'}"
+    for flag, value, applies in (
+        ("--hidden", args.hidden, args.gpt),
+        ("--heads", args.heads, args.gpt),
+        ("--dtype", args.dtype, args.gpt or args.hf_config),
+    ):
+        if value is not None and not applies:
+            takes = "--gpt and --hf-config" if flag == "--dtype" else "--gpt"
+            cli.error(
+                f"{flag} {value}: shapes the layer of {takes} only; {source} has its own "
+                f"(see its description), so {flag} would be ignored: leave it out, or pass "
+                f"{takes.split(' and ')[0]}"
+            )
+    args.hidden, args.heads = args.hidden or 4096, args.heads or 32
+    args.dtype = args.dtype or "bf16"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
+    check_shape_flags(cli, args)
     if args.gpt and args.hidden % args.heads:
         cli.error(f"--hidden {args.hidden}: expected a multiple of --heads {args.heads}")
     try:
@@ -338,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.memory_budget is not None and num_layers > MAX_SEARCH_LAYERS:
         cli.error(
-            f"--memory-budget {args.memory_budget:g}: the policy search takes at most "
+            f"--memory-budget {args.memory_budget / GIB:g}: the policy search takes at most "
             f"{MAX_SEARCH_LAYERS} layers, not {num_layers} (its family of policies grows as "
             f"L^3); pass --layers 2..{MAX_SEARCH_LAYERS}, or leave out --memory-budget"
         )
@@ -350,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--memory-budget GiB and leave out --modules"
         )
     modules = modules_argument(args.modules) if args.modules else None
-    budget = int(args.memory_budget * GIB) if args.memory_budget is not None else None
+    budget = args.memory_budget  # bytes
     per_module = None
     if args.per_module and budget is not None:
         measure = dict(kwargs=spec.kwargs, min_offload_numel=args.min_offload_numel)

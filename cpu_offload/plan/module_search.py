@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cli import Parser, positive_float
+from ..cli import Parser, memory_amount
 from ..policy.module_choices import KEEP, MEGATRON_MODULES, OFFLOAD, REST, names_in
 from .census import LayerProfile, measure_layer
 from .layers import preset_layer
@@ -257,14 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--budgets",
         nargs="+",
-        type=positive_float,
+        type=memory_amount("--budgets"),
         metavar="GIB",
-        default=[10, 20, 30, 40, 50, 60],
-        help="GiB of saved activations",
+        default=[n * 2**30 for n in (10, 20, 30, 40, 50, 60)],
+        help="saved activations allowed: GiB (20, 0.5) or sizes with their unit (512MiB)",
     )
     args = parser.parse_args(argv)
     try:
-        print(granularity_table(args.presets, args.devices, args.budgets))
+        print(granularity_table(args.presets, args.devices, [b / 2**30 for b in args.budgets]))
     except ValueError as error:
         parser.error(str(error))
     return 0

@@ -11,9 +11,8 @@ from ..policy.policy import (
     CHECKPOINT_OFFLOAD,
     KEEP,
     OFFLOAD,
-    describe_policy,
-    policy_runs,
 )
+from ..report.policy_words import describe_policy, policy_runs
 from .schedule_model import LayerCosts, PlanRow
 
 __all__ = ["PolicyPlan", "size"]

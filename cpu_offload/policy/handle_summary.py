@@ -9,8 +9,8 @@ from typing import Protocol
 
 from torch import nn
 
+from ..report.policy_words import describe_policy
 from .memory_budget import said_budget
-from .policy import describe_policy
 
 __all__ = ["BudgetPolicy", "found_layers", "schedule_of"]
 

@@ -25,12 +25,11 @@ NOTE [When "auto" is read]
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Iterable
 
 import torch
 
+from ..device.amounts import FORMS, parse_bytes, size
 from ..device.backend import DeviceBackend
 
 __all__ = [
@@ -52,27 +51,6 @@ AUTO_MARGIN = 0.10
 #: the plan's prediction before the plan is made again, once
 REPLAN_MARGIN = 0.10
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?")
-
-
-def size(nbytes: float) -> str:
-    """Bytes as a person reads them: ``"1.50 MiB"``."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
-
 
 def said_budget(memory_budget: int | str) -> str:
     """A parsed ``memory_budget=`` as messages say it: ``'auto'`` or ``20.00 GiB``."""
@@ -83,35 +61,17 @@ def parse_memory_budget(value: object, api: str) -> int | str:
     """``value`` as a number of bytes, or :data:`AUTO`.
 
     Args:
-        value: an int (or a whole float) of bytes >= 0, a size string (``"20GiB"``,
-            ``"512 MiB"``, ``"1.5GB"``: KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB
-            of 1000, case ignored), or ``"auto"``.
+        value: an amount of memory (:func:`cpu_offload.device.amounts.parse_bytes`: bytes as an
+            int of at least 1 MiB, or a size string such as ``"20GiB"``), or ``"auto"``.
         api: the function's name, for messages.
 
     Example:
         >>> parse_memory_budget("1.5GiB", "offload_layers"), parse_memory_budget(2**20, "f")
         (1610612736, 1048576)
     """
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == AUTO:
-            return AUTO
-        match = _SIZE.fullmatch(text)
-        if match is None:
-            raise ValueError(
-                f"{api}: memory_budget={value!r} is not a size; give a number of bytes, a "
-                "string such as '20GiB', '512MiB' or '1.5GB', or 'auto' (the device's free "
-                "memory less a margin)."
-            )
-        return int(float(match[1]) * _UNITS[match[2] or "b"])
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"{api}: memory_budget must be a number of bytes, a string such as '20GiB', or "
-            f"'auto'; got {type(value).__name__} {value!r}."
-        )
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{api}: memory_budget must be a number of bytes >= 0, got {value!r}.")
-    return int(value)
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    return parse_bytes(value, "memory_budget", api, forms=f"{FORMS}, or 'auto'")
 
 
 def free_device_memory(backend: DeviceBackend) -> int | None:

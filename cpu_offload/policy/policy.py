@@ -29,7 +29,6 @@ __all__ = [
     "POLICY_CHOICES",
     "check_policy",
     "checkpoint_hazards",
-    "describe_policy",
 ]
 
 KEEP, OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD = (
@@ -72,25 +71,6 @@ def check_policy(policy: object, num_layers: int, owner: str) -> list[str]:
                 f"use {KEEP!r} or {CHECKPOINT!r} for it."
             )
     return policy
-
-
-def policy_runs(policy: Sequence[str]) -> list[tuple[int, int, str]]:
-    """``(first layer, last layer, choice)`` for each run of equal choices."""
-    runs: list[tuple[int, int, str]] = []
-    for index, choice in enumerate(policy):
-        if runs and runs[-1][2] == choice:
-            runs[-1] = (runs[-1][0], index, choice)
-        else:
-            runs.append((index, index, choice))
-    return runs
-
-
-def describe_policy(policy: Sequence[str]) -> str:
-    """``["offload", "offload", "keep"]`` as ``"0-1 offload, 2 keep"``."""
-    return ", ".join(
-        f"{first} {choice}" if first == last else f"{first}-{last} {choice}"
-        for first, last, choice in policy_runs(policy)
-    )
 
 
 def checkpointed_modules(

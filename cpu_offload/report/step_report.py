@@ -32,7 +32,14 @@ from ..hooks.selection import (
 )
 from .step_record import HOST_CAP, NOT_COPIED, SaveCounts, StepRecord
 
-__all__ = ["EndOfForward", "LayerRow", "REASONS", "StepRecorder", "StepReport", "layer_ranges"]
+__all__ = [
+    "EndOfForward",
+    "LayerRow",
+    "REASONS",
+    "StepRecorder",
+    "StepReport",
+    "layer_ranges",
+]
 
 
 #: per reason a tensor stayed: the key loggers see, and how the table says it

@@ -180,7 +180,9 @@ def test_max_host_bytes_below_the_need_keeps_gradients_and_the_cap(streams, cap_
     forward(layers, _input(64 + 16 * 3, 3), probe, probe_sync).sum().backward()
     need = probe.offload_synchronizer.host_memory_stats()["reserved_bytes"]
     cap = int(need * cap_fraction)
-    ctx, sync_fn = get_cpu_offload_context(True, 3, 4, min_offload_numel=0, max_host_bytes=cap)
+    ctx, sync_fn = get_cpu_offload_context(
+        True, 3, 4, min_offload_numel=0, max_host_bytes=f"{cap}B"
+    )
     synchronizer = ctx.offload_synchronizer
     with pytest.warns(UserWarning, match=rf"the host buffer pool is at max_host_bytes={cap} "):
         for step in range(4):
@@ -195,11 +197,21 @@ def test_max_host_bytes_below_the_need_keeps_gradients_and_the_cap(streams, cap_
 
 
 @pytest.mark.parametrize(
-    "value, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)], ids=str
+    "value, error, message",
+    [
+        (-1, ValueError, "max_host_bytes must be >= 0 bytes"),
+        (1.5, ValueError, "max_host_bytes=1.5 would be 1.5 bytes: a number is a count of bytes"),
+        (4096, ValueError, "Write max_host_bytes='4096GiB' for 4096 GiB (or '4096B' if you mean"),
+        (2**20 + 0.5, ValueError, "max_host_bytes=1048576.5 is not a whole number of bytes"),
+        ("1 gig", ValueError, "max_host_bytes='1 gig' is not a size"),
+        (True, TypeError, "max_host_bytes must be a number of bytes (an int >= 1 MiB, or 0), or a"),
+    ],
+    ids=str,
 )
-def test_max_host_bytes_must_be_bytes(value, error):
-    with pytest.raises(error, match="max_host_bytes must be"):
+def test_max_host_bytes_must_be_bytes(value, error, message):
+    with pytest.raises(error, match="^cpu_offload: ") as raised:
         get_cpu_offload_context(True, 1, 2, max_host_bytes=value)
+    assert message in str(raised.value)
 
 
 def test_free_blocks_are_kept_per_size_class_so_lending_is_o1_in_blocks():
@@ -236,7 +248,7 @@ def test_max_host_bytes_with_fixed_shapes_allocates_nothing_after_the_first_step
     count = len(layers)
     with pytest.warns(UserWarning, match="max_host_bytes"):
         ctx, sync_fn = get_cpu_offload_context(
-            True, count - 1, count, min_offload_numel=0, max_host_bytes=cap
+            True, count - 1, count, min_offload_numel=0, max_host_bytes=f"{cap}B"
         )
         allocations = []
         for _ in range(5):

@@ -113,7 +113,7 @@ def test_trainer_with_a_memory_budget_matches_a_run_without_it(tmp_path, capsys)
     from cpu_offload.integrations.transformers import OffloadCallback
 
     expected = train(tmp_path / "plain", [])
-    callback = OffloadCallback(memory_budget=1, min_offload_numel=0)  # nothing fits 1 byte
+    callback = OffloadCallback(memory_budget="1B", min_offload_numel=0)  # nothing fits 1 byte
     recorder = PlanRecorder(callback)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # nothing fits; checkpointed layers drop the cache

@@ -74,7 +74,7 @@ class Offload:
         if self.k is not None:
             budget, link = BUDGETS[self.k]
             handle = offload_layers(
-                modules, memory_budget=budget, min_offload_numel=0, copy_bandwidth=link
+                modules, memory_budget=f"{budget}B", min_offload_numel=0, copy_bandwidth=link
             )
             self.handles.append(handle.context)
 
@@ -528,7 +528,7 @@ def host_memory_cap_below_the_need(off: Offload) -> list[torch.Tensor]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the cap's warning
             ctx, sync_fn = get_cpu_offload_context(
-                True, off.k, L, min_offload_numel=0, max_host_bytes=4096
+                True, off.k, L, min_offload_numel=0, max_host_bytes="4KiB"
             )
         off.handles.append(ctx)
     x = leaf(32, 16)  # 2 KiB per saved tensor: one fits in the cap's block, then none
@@ -1242,3 +1242,41 @@ def test_in_place_error_names_the_layer():
     assert isinstance(error, RuntimeError)
     assert "is at version 1; expected version 0 instead" in str(error)
     assert "saved by layer 0 of forward pass" in str(error)
+
+
+class _Square(torch.nn.Module):
+    """``lin(x) ** 2`` through a multiply that saves ``h = lin(x)``; keeps ``h``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.h: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.h = self.lin(x)
+        return self.h * self.h
+
+
+def test_a_data_change_after_the_copy_uses_the_copy_as_save_on_cpu():
+    """Parity's documented limit (docs/usage.md): ``h.data.mul_(2)`` after ``h`` was
+    saved bumps no version counter; without hooks backward reads the changed ``h``, with
+    offload it reads the copy made before the change (as ``save_on_cpu`` does on a device)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Square(), _Square())
+    x = torch.randn(8, 16)
+
+    def grads(change: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        out = model(x).sum()
+        if change:
+            model[0].h.data.mul_(2)  # invisible to autograd's version counter
+        out.backward()
+        return [p.grad.clone() for p in model[0].parameters()]
+
+    unchanged, changed = grads(False), grads(True)
+    assert not all(torch.equal(a, b) for a, b in zip(unchanged, changed))
+    handle = offload_layers(model, 1, min_offload_numel=0)
+    offloaded = grads(True)
+    assert handle.offload_synchronizer.stats.tensors_offloaded > 0
+    assert all(torch.equal(a, b) for a, b in zip(unchanged, offloaded))
+    handle.remove()

@@ -87,3 +87,67 @@ def test_a_pass_that_moves_nothing_because_of_the_threshold_warns_once():
         for layer in layers:
             x = layer(x)
     assert moved.offload_synchronizer.stats.tensors_offloaded > 0
+
+
+def _stack() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)))
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_second_offload_layers_on_hooked_layers_is_refused(streams):
+    """Issue 39: the second call was accepted and the first handle silently moved
+    nothing; it is refused, naming the first handle, and after its remove() a new call
+    offloads as before, with the gradients of the plain model."""
+    model, x = _stack(), torch.randn(32, 64)
+    plain = _grads(model, x)
+    first = offload_layers(model, 2, min_offload_numel=0)
+    with pytest.raises(RuntimeError) as raised:
+        offload_layers(model, policy=["offload", "keep", "keep", "keep"], min_offload_numel=0)
+    assert str(raised.value) == (
+        f"offload_layers: layer 0 (Sequential) is already hooked by an earlier offload_layers "
+        f"call, {first!r}; a second set of hooks would leave that handle moving nothing. Call "
+        "handle.remove() on the earlier handle first, or keep using it."
+    )
+    with pytest.raises(RuntimeError, match="already hooked"):
+        offload_layers(list(model)[1:], memory_budget="1GiB")  # any of its layers
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model, x)))
+    assert first.offload_synchronizer.stats.tensors_offloaded > 0  # the first still moves
+    first.remove()
+    second = offload_layers(model, 1, min_offload_numel=0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model, x)))
+    assert second.offload_synchronizer.stats.tensors_offloaded > 0
+    second.remove()
+
+
+def test_an_unknown_keyword_of_offload_layers_is_named_as_its_own():
+    with pytest.raises(TypeError) as raised:
+        offload_layers(_stack(), 1, min_offload_size=1024)
+    assert str(raised.value).startswith(
+        "offload_layers() got an unexpected keyword argument 'min_offload_size'; it takes "
+        "num_offloaded_layers (k), policy=, memory_budget=, modules=, copy_bandwidth= and "
+        "these keywords of get_cpu_offload_context(): offload_activations,"
+    )
+
+
+def test_trls_threshold_is_named_as_typed():
+    from cpu_offload.integrations.torchtune import (
+        OffloadActivations,
+        get_act_offloading_ctx_manager,
+    )
+
+    with pytest.raises(ValueError) as raised:
+        OffloadActivations(min_offload_size=-1)
+    assert str(raised.value) == (
+        "OffloadActivations: min_offload_size must be an int >= 0 (bytes), got -1."
+    )
+    with pytest.raises(TypeError) as raised:
+        get_act_offloading_ctx_manager(_stack(), min_offload_size=1.5)
+    assert str(raised.value) == (
+        "get_act_offloading_ctx_manager: min_offload_size must be an int >= 0 (bytes), got 1.5."
+    )

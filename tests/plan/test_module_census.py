@@ -43,7 +43,7 @@ def test_the_parts_are_where_the_work_is():
     tokens = 2 * 512
     modules = costs_by(layer, "module")
     assert modules["q"].forward_flops == 2 * tokens * 256 * 256
-    assert modules["gate_up"].forward_flops == 2 * tokens * 256 * 2 * 688
+    assert modules["gate"].forward_flops == modules["up"].forward_flops == 2 * tokens * 256 * 688
     assert modules["down"].forward_flops == 2 * tokens * 688 * 256
     assert modules["down"].recompute_kernels == [] and modules["q"].recompute_kernels
     assert modules["attn_norm"].forward_flops == 0 and modules["attn_norm"].forward_kernels > 0

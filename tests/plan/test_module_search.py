@@ -128,9 +128,9 @@ def test_the_table_command_runs_on_a_small_case(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--budgets", "10", "-1"], "argument --budgets: '-1': expected a number > 0"),
-        (["--budgets", "0"], "argument --budgets: '0': expected a number > 0"),
-        (["--budgets", "x"], "argument --budgets: 'x': expected a number > 0"),
+        (["--budgets", "10", "-1"], "argument --budgets: '-1': expected an amount of memory > 0"),
+        (["--budgets", "0"], "argument --budgets: '0': expected an amount of memory > 0"),
+        (["--budgets", "x"], "argument --budgets: 'x': expected an amount of memory > 0"),
         (
             ["--presets", "tiny", "huge"],
             "argument --presets: unknown preset 'huge': use one of tiny, llama8b-layer, "

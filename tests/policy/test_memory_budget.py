@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from helpers import small_llama_config
@@ -55,7 +56,7 @@ def run_budgets(model, step, budgets, capsys, **options):
     plain = grads_of(model, step)
     plans = []
     for budget in budgets:
-        handle = offload_layers(model, memory_budget=budget, **options)
+        handle = offload_layers(model, memory_budget=f"{budget}B", **options)
         stats = handle.offload_synchronizer.stats
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -241,7 +242,7 @@ def test_a_layer_with_checkpoint_hazards_is_never_checkpointed(capsys):
     plain = sequential(batch_norm_at=1)
     for budget in (1, 120_000):
         handle = offload_layers(
-            model, memory_budget=budget, min_offload_numel=0, copy_bandwidth=50e6
+            model, memory_budget=f"{budget}B", min_offload_numel=0, copy_bandwidth=50e6
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # nothing fits 1 byte (tested above)
@@ -266,7 +267,7 @@ def test_a_larger_input_is_measured_again_and_planned_for(capsys):
     peak = keep_all_peak(model, lambda: model(short).sum().backward(), min_offload_numel=0)
     plain = grads_of(model, lambda: model(long).sum().backward())
     budget = int(peak * 0.9)  # 4x the input still fits, offloading more
-    handle = offload_layers(model, memory_budget=budget, min_offload_numel=0)
+    handle = offload_layers(model, memory_budget=f"{budget}B", min_offload_numel=0)
     stats = handle.offload_synchronizer.stats
     for x in (short, short):
         grads_of(model, lambda x=x: model(x).sum().backward())
@@ -307,7 +308,7 @@ def test_a_step_over_its_prediction_is_planned_again_once(capsys):
         runtime.memory_allocated = lambda device=None: 1000
         runtime.max_memory_allocated = lambda device=None: 1000 + gradients + reported["peak"]
         budget = 200_000
-        handle = offload_layers(model, memory_budget=budget, min_offload_numel=0)
+        handle = offload_layers(model, memory_budget=f"{budget}B", min_offload_numel=0)
         for _ in range(2):
             grads_of(model, step)
         first = handle.plan
@@ -366,9 +367,14 @@ def test_auto_needs_a_runtime_that_reports_free_memory():
         (" 512 MiB ", 512 * 2**20),
         ("1.5GB", 1_500_000_000),
         ("64kib", 65536),
-        ("100", 100),
+        ("100B", 100),
+        ("0.01GiB", 10_737_418),
+        ("4194304", 4_194_304),
         (2**20, 2**20),
-        (1e6, 1_000_000),
+        (2e6, 2_000_000),
+        (np.int64(2**30), 2**30),
+        (np.uint32(2**21), 2**21),
+        (0, 0),
         ("AUTO", "auto"),
     ],
 )
@@ -383,10 +389,22 @@ def test_a_budget_is_bytes_a_size_or_auto(budget, expected):
     [
         ("20 gigs", ValueError, "memory_budget='20 gigs' is not a size; give a number of bytes"),
         ("-1GiB", ValueError, "is not a size"),
-        (-1, ValueError, "memory_budget must be a number of bytes >= 0, got -1"),
-        (float("inf"), ValueError, "must be a number of bytes >= 0, got inf"),
-        (True, TypeError, "memory_budget must be a number of bytes, a string such as '20GiB'"),
+        (-1, ValueError, "memory_budget must be >= 0 bytes; give a number of bytes"),
+        (float("inf"), ValueError, "memory_budget must be >= 0 bytes; give a number"),
+        (True, TypeError, "memory_budget must be a number of bytes (an int >= 1 MiB, or 0), or"),
         ([1], TypeError, "got list [1]"),
+        (
+            20,
+            ValueError,
+            "memory_budget=20 would be 20 bytes: a number is a count of bytes, and one under "
+            "1 MiB is refused as a likely slip of the unit. Write memory_budget='20GiB' for 20 "
+            "GiB (or '20B' if you mean bytes).",
+        ),
+        (20.5, ValueError, "memory_budget=20.5 would be 20.5 bytes: a number is a count of"),
+        (np.int64(1000), ValueError, "memory_budget=1000 would be 1000 bytes"),
+        ("1000", ValueError, "memory_budget=1000 would be 1000 bytes"),
+        (3 * 2**20 + 0.5, ValueError, "memory_budget=3145728.5 is not a whole number of bytes"),
+        ("20.5B", ValueError, "memory_budget='20.5B' is a fractional number of bytes"),
     ],
 )
 def test_a_bad_budget_is_refused(budget, error, message):
@@ -442,7 +460,9 @@ def test_the_link_from_a_check_json_and_remove_restores_the_modules(tmp_path, ca
     path.write_text(json.dumps({"checks": [{"figures": figures}]}))
     model = sequential()
     x = torch.randn(64, 32)
-    handle = offload_layers(model, memory_budget=1, copy_bandwidth=str(path), min_offload_numel=0)
+    handle = offload_layers(
+        model, memory_budget="1B", copy_bandwidth=str(path), min_offload_numel=0
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(2):
@@ -458,7 +478,7 @@ def test_a_forward_without_grad_or_one_that_raises_is_not_the_measured_step(caps
     model = sequential()
     x = torch.randn(64, 32)
     plain = grads_of(model, lambda: model(x).sum().backward())
-    handle = offload_layers(model, memory_budget=300_000, min_offload_numel=0)
+    handle = offload_layers(model, memory_budget="300000B", min_offload_numel=0)
     with torch.no_grad():
         model(x)  # evaluation saves nothing: not a step to plan from
     model[2].register_forward_hook(lambda *args: 1 / 0)
@@ -489,3 +509,33 @@ def test_the_clock_reads_timing_events_on_a_device():
             clock.stop(layer)
         seconds = clock.seconds()
     assert seconds[1] is None and all(s is not None and s > 0 for s in (seconds[0], seconds[2]))
+
+
+def test_the_measured_step_reads_the_tests_ticking_clock(ticking_clock):
+    """The layer times a plan is made from come from the injected clock (tests/conftest.py),
+    the same on an idle machine and a loaded one: each layer's forward is one tick."""
+    model = sequential()
+    x = torch.randn(64, 32)
+    handle = offload_layers(model, memory_budget="1GiB", min_offload_numel=0)
+    grads_of(model, lambda: model(x).sum().backward())
+    times = [m.forward_s for m in handle.auto.measured]
+    assert times == pytest.approx([ticking_clock.TICK] * len(model), rel=1e-9)
+    handle.remove()
+
+
+def test_every_clock_the_offloader_reads_ticks_in_tests():
+    """A module of the offloader that reads ``time`` is one the tests' clock replaces, or
+    one that only prints times (the commands)."""
+    import pathlib
+    import re
+
+    import conftest
+
+    root = pathlib.Path(__file__).parents[2] / "cpu_offload"
+    printing_only = {"cpu_offload.check", "cpu_offload.demo"}
+    reading = {
+        ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        for path in root.rglob("*.py")
+        if re.search(r"^import time$", path.read_text(), re.M) and "bench" not in path.parts
+    }
+    assert reading - printing_only == set(conftest.TIMED_MODULES)

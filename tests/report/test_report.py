@@ -205,7 +205,7 @@ def test_offload_activations_reports_what_its_hook_got(monkeypatch):
 def test_the_host_cap_is_a_reason_to_stay():
     layers = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)]
     ctx, sync_fn = get_cpu_offload_context(
-        True, 3, 4, min_offload_numel=0, max_host_bytes=3 * 32 * 64 * 4
+        True, 3, 4, min_offload_numel=0, max_host_bytes=f"{3 * 32 * 64 * 4}B"
     )
     with pytest.warns(UserWarning, match="max_host_bytes"):
         step(layers, ctx, sync_fn)
@@ -222,7 +222,9 @@ def test_a_tensor_saved_again_after_the_host_cap_kept_it_counts_as_kept():
     max_host_bytes, it is kept (not moved) in the later chunk too."""
     weights = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
     for cap in (None, 20_000):
-        ctx = ChunkedOffload(chunk_bytes=64 * 64 * 4, min_offload_numel=0, max_host_bytes=cap)
+        ctx = ChunkedOffload(
+            chunk_bytes=64 * 64 * 4, min_offload_numel=0, max_host_bytes=cap and f"{cap}B"
+        )
         x = torch.randn(64, 64, requires_grad=True)
         with pytest.warns() if cap else contextlib.nullcontext(), ctx:
             h = x.sin()
@@ -346,10 +348,10 @@ def test_reprs_say_where_the_layers_are_the_schedule_and_the_thresholds():
     handle = offload_layers(Model(), 2, min_offload_numel=7)
     text = repr(handle)
     assert text.startswith("OffloadLayersHandle(5 Linear at layers of Model; ")
-    assert "layers 0-1 offload, 2-4 keep (k=2)" in text
+    assert "layers 0-1 offload, 2-4 keep (k=2)" in text  # one way to say a schedule
     assert "min_offload_numel=7, min_offload_bytes=0, max_host_bytes=None" in text
     assert repr(handle.context) == (
-        "OffloadContext(5 layers per forward pass, offload layers 0-1 (k=2); "
+        "OffloadContext(5 layers per forward pass, layers 0-1 offload, 2-4 keep (k=2); "
         "min_offload_numel=7, min_offload_bytes=0, max_host_bytes=None; device cpu)"
         if str(handle.offload_synchronizer.backend.device) == "cpu"
         else repr(handle.context)
@@ -461,3 +463,20 @@ def test_moved_handles_are_what_the_report_counts_as_moved(monkeypatch):
     ctx, sync_fn = get_cpu_offload_context(True, 2, 4, min_offload_numel=33)
     step(layers, ctx, sync_fn)
     assert ctx.report().moved_tensors == sum(handles) == 6
+
+
+def test_figures_counting_the_same_thing_agree_and_a_schedule_is_said_one_way():
+    """Issue 39: the copies the report counts are the statistics' bytes, and the handle and
+    the context it made say the schedule in the same words."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4))
+    )
+    handle = offload_layers(model, 2, min_offload_numel=0)
+    model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    stats, figures = handle.offload_synchronizer.stats, handle.report().to_dict()
+    assert figures["copied_bytes"] == stats.bytes_offloaded == figures["reloaded_bytes"] > 0
+    assert figures["saved_tensors"] == figures["moved_tensors"] + figures["kept_tensors"]
+    words = "layers 0-1 offload, 2-3 keep (k=2)"
+    assert words in repr(handle) and words in repr(handle.context)
+    handle.remove()

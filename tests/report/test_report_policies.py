@@ -76,7 +76,9 @@ def test_a_memory_budget_reports_its_measured_step_then_the_plan(monkeypatch, ca
         h.sum().backward()
 
     # A slow link: copies cost more than recomputing, so the plan checkpoints.
-    handle = offload_layers(layers, memory_budget=200_000, min_offload_numel=0, copy_bandwidth=50e6)
+    handle = offload_layers(
+        layers, memory_budget="200000B", min_offload_numel=0, copy_bandwidth=50e6
+    )
     assert "memory_budget=195.31 KiB: the first step runs as the model does" in repr(handle)
     run()
     report = handle.report()
