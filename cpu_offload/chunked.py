@@ -179,7 +179,7 @@ class ChunkedOffload:
         device: torch.device | str | None = None,
         min_offload_numel: int = 0,
         min_offload_bytes: int = 0,
-        max_host_bytes: int | None = None,
+        max_host_bytes: int | str | None = None,
         retain_pinned_cpu_buffers: bool = False,
     ) -> None:
         self.chunk_bytes = _checked_chunk_bytes(chunk_bytes)

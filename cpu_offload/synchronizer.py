@@ -85,7 +85,7 @@ class OffloadSynchronizer(OffloadEngine):
         device: torch.device | str | None = None,
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
         min_offload_bytes: int = 0,
-        max_host_bytes: int | None = None,
+        max_host_bytes: int | str | None = None,
     ) -> None:
         _check_model_layers(num_layers)
         super().__init__(
@@ -319,7 +319,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         device: torch.device | str | None = None,
         min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
         min_offload_bytes: int = 0,
-        max_host_bytes: int | None = None,
+        max_host_bytes: int | str | None = None,
         offloaded_layers: Sequence[int] | None = None,
     ) -> None:
         _check_model_layers(num_layers)

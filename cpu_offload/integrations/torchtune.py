@@ -101,7 +101,7 @@ class OffloadActivations(ChunkedOffload):
         *,
         chunk_bytes: int | None = None,
         device: Any = None,
-        max_host_bytes: int | None = None,
+        max_host_bytes: int | str | None = None,
         retain_pinned_cpu_buffers: bool = False,
     ) -> None:
         for name, flag in (("use_pin_memory", use_pin_memory), ("use_streams", use_streams)):
