@@ -283,7 +283,7 @@ class AutoPolicy:
         search = PolicySearch.of_layers(
             costs, *self.link, hazards=self.hazards, modules=self.modules, names=self.names
         )
-        self._apply(search.choose(self.budget()))
+        self._apply(search.choose(self.budget(), self.synchronizer.host_buffers.max_bytes))
 
     def _apply(self, plan: PolicyPlan) -> None:
         self.plan = plan
@@ -294,7 +294,8 @@ class AutoPolicy:
         if not plan.fits:
             warn_once_per_call_site(
                 f"cpu_offload: {self.api}: no policy fits the memory budget of "
-                f"{size(plan.memory_budget)}; the closest is applied ({plan.runs()}). "
+                f"{size(plan.memory_budget)} (the limit that binds: {plan.binding}); the "
+                f"closest is applied ({plan.runs()}). "
                 f"{plan.why}"
             )
 

@@ -57,7 +57,7 @@ from .errors import CpuOffloadError
 from .log import warn
 from .stats import OffloadStats
 
-__all__ = ["HostBufferPool"]
+__all__ = ["HostBufferPool", "pool_reserve", "size_class"]
 
 
 Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
@@ -91,6 +91,13 @@ def size_class(nbytes: int) -> int:
         return MIN_BLOCK_BYTES
     grain = max(MIN_BLOCK_BYTES, (1 << ((nbytes - 1).bit_length() - 1)) // CLASS_DIVISIONS)
     return -(-nbytes // grain) * grain
+
+
+def pool_reserve(nbytes: int) -> int:
+    """The most the pool reserves for ``nbytes`` of tensors of 64 KiB or more at once
+    (each block within 1/:data:`CLASS_DIVISIONS` of its tensor): what a plan must
+    leave under ``max_host_bytes``.  Works on numpy arrays too."""
+    return nbytes + nbytes // CLASS_DIVISIONS
 
 
 class _Block:
