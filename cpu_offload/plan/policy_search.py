@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..host_buffers import pool_reserve
+from ..host_buffers import CLASS_DIVISIONS, pool_reserve
 from ..memory_budget import size
 from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
 from ..schedule import max_offloaded, release_point, reload_point
@@ -407,10 +407,11 @@ class PolicySearch:
 # the search checkpoints where the host is short.  When nothing fits both, the closest
 # policy that fits the host is chosen, and the plan says which limit binds.
 def host_fits(offloaded_bytes: np.ndarray, host_cap: int | None) -> np.ndarray | None:
-    """Which policies' moved bytes (with the pool's reserve) fit ``host_cap`` (None: all)."""
+    """Which policies' moved bytes (with the pool's reserve: :func:`pool_reserve`, on an
+    array) fit ``host_cap`` (None: all)."""
     if host_cap is None:
         return None
-    return np.asarray(pool_reserve(offloaded_bytes) <= host_cap)
+    return np.asarray(offloaded_bytes + offloaded_bytes // CLASS_DIVISIONS <= host_cap)
 
 
 def choose_policy(
@@ -419,6 +420,7 @@ def choose_policy(
     device: str | DeviceProfile = "h100",
     *,
     memory_budget: int,
+    host_cap: int | None = None,
 ) -> PolicyPlan:
     """The per-layer policy with the least predicted step time whose saved activations
     fit ``memory_budget`` bytes at every point of the step.  A layer whose recompute
@@ -431,6 +433,7 @@ def choose_policy(
         device: a profile name, a JSON file of ``python -m cpu_offload.check``, or a
             :class:`DeviceProfile`.
         memory_budget: bytes of saved activations allowed on the device.
+        host_cap: bytes of host memory the policy may hold (``max_host_bytes``), or None.
 
     Example:
         >>> import torch
@@ -444,4 +447,4 @@ def choose_policy(
         >>> tight.fits, tight.predicted.peak_bytes <= layer.saved_bytes * 3
         (True, True)
     """
-    return PolicySearch(layer, num_layers, device).choose(memory_budget)
+    return PolicySearch(layer, num_layers, device).choose(memory_budget, host_cap)
