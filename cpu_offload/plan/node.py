@@ -4,7 +4,7 @@ NOTE [Host memory per node]
     Every rank of a node offloads into the same host memory.  A rank's need for a step
     is what it moves per step (with the default schedule every offloaded layer's copy is
     on the host at the end of the forward), with the pool's reserve
-    (:func:`~cpu_offload.host_buffers.pool_reserve`: its size classes waste at most
+    (:func:`~cpu_offload.engine.host_buffers.pool_reserve`: its size classes waste at most
     1/16).  A node's need is that times its ranks.  With ``--host-memory G`` (the host
     memory the node gives offloading, GiB or a string with its unit) each rank's cap is
     ``G / ranks``: the policy search then takes only policies that fit it (NOTE [Plans
@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..host_buffers import pool_reserve
-from ..memory_budget import parse_memory_budget
+from ..engine.host_buffers import pool_reserve
+from ..policy.memory_budget import parse_memory_budget
 
 __all__ = ["Node", "host_memory_argument"]
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from hosts import require
 
-from cpu_offload.host_buffers import pool_reserve
+from cpu_offload.engine.host_buffers import pool_reserve
 from cpu_offload.plan.__main__ import main
 
 

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from cpu_offload.host_buffers import pool_reserve
+from cpu_offload.engine.host_buffers import pool_reserve
 from cpu_offload.plan.__main__ import main
 from cpu_offload.plan.node import Node, host_memory_argument
-from cpu_offload.policy import CHECKPOINTED, OFFLOADED
+from cpu_offload.policy.policy import CHECKPOINTED, OFFLOADED
 
 GIB = 2**30
 BUDGET = "0.045"  # GiB: the tiny preset's 4 layers fit it by offloading two
