@@ -178,8 +178,11 @@ def get_cpu_offload_context(
             ``min_offload_size``; a threshold in elements keeps twice the bytes in fp32
             that it keeps in bf16).
         max_host_bytes: the most host memory (pinned on accelerators) the offloader may
-            hold, for ranks that share a host; a tensor that does not fit stays on the
-            device, counted in ``stats.tensors_kept_by_host_cap``, with one warning.
+            hold, for ranks that share a host: bytes, a string such as ``"64GiB"``, or
+            ``"auto"`` (80% of the node's available memory, or of its cgroup's where
+            lower, divided by ``LOCAL_WORLD_SIZE``; ``host_cap.py``).  A tensor that does
+            not fit stays on the device, counted in ``stats.tensors_kept_by_host_cap``,
+            with one warning; ``report().to_dict()["host_cap_bytes"]`` is the cap.
         offloaded_layers: which layers to offload, in place of the first ``num_layers``
             (any layers but the last; the default schedule, see
             :class:`DefaultOffloadSynchronizer`).

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..device.amounts import FORMS, parse_bytes
 from ..device.backend import DeviceBackend, Stream
+from ..device.host_cap import host_cap_bytes
 from ..device.runtime import get_backend
 from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from ..report.copy_timer import CopyTimer
@@ -28,6 +28,16 @@ from .host_buffers import HostBufferPool
 from .layer_state import OffloadableLayerState
 
 __all__ = ["OffloadEngine", "check_count"]
+
+
+def said_host_cap(given: object, host_cap: int | None) -> str:
+    """``max_host_bytes`` as reprs say it: ``max_host_bytes=None``, or the cap in bytes
+    (``host_cap_bytes=...``) after what was given where that was a string."""
+    if host_cap is None:
+        return "max_host_bytes=None"
+    if isinstance(given, str):
+        return f"max_host_bytes={given!r}, host_cap_bytes={host_cap}"
+    return f"max_host_bytes={host_cap}, host_cap_bytes={host_cap}"
 
 
 def check_count(name: str, value: object, expected: str) -> None:
@@ -81,10 +91,7 @@ class OffloadEngine:
         max_host_bytes: int | str | None = None,
     ) -> None:
         check_count("min_offload_bytes", min_offload_bytes, "an int >= 0")
-        if max_host_bytes is not None:
-            max_host_bytes = parse_bytes(
-                max_host_bytes, "max_host_bytes", "cpu_offload", forms=f"{FORMS}, or None (no cap)"
-            )
+        host_cap = host_cap_bytes(max_host_bytes)
         if offload_stream is not None and not isinstance(offload_stream, Stream):
             raise TypeError(
                 "cpu_offload: offload_stream must be a stream of the device (such as "
@@ -104,11 +111,14 @@ class OffloadEngine:
         self.stats = OffloadStats()
         self.recorder = StepRecorder()
         self.host_buffers = HostBufferPool(
-            self.backend, retain_pinned_cpu_buffers, max_host_bytes, self.stats
+            self.backend, retain_pinned_cpu_buffers, host_cap, self.stats
         )
+        #: ``max_host_bytes`` as given (``"auto"``, ``"64GiB"``), for reprs
+        self.max_host_bytes = max_host_bytes
         self.min_offload_numel = min_offload_numel
         self.min_offload_bytes = min_offload_bytes
         self.copy_timer: CopyTimer | None = None
+        self._allocations_before_step = 0  # the pool's allocations when the last step ended
 
     @property
     def offload_stream(self) -> Any:
@@ -148,9 +158,10 @@ class OffloadEngine:
 
     def thresholds(self, bytes_name: str = "min_offload_bytes") -> str:
         """The thresholds that decide which saved tensors move, as reprs say them."""
+        cap = said_host_cap(self.max_host_bytes, self.host_buffers.max_bytes)
         return (
             f"min_offload_numel={self.min_offload_numel}, {bytes_name}="
-            f"{self.min_offload_bytes}, max_host_bytes={self.host_buffers.max_bytes}"
+            f"{self.min_offload_bytes}, {cap}"
         )
 
     def describe(self) -> str:
@@ -174,6 +185,10 @@ class OffloadEngine:
     def end_step(self, record: StepRecord) -> None:
         """A step has ended (NOTE [What a step is] in step_report.py)."""
         record.device_peak_bytes = self.backend.max_memory_allocated()
+        allocations = self.host_buffers.allocations
+        record.host_allocations = allocations - self._allocations_before_step
+        self._allocations_before_step = allocations
+        record.host_cap_bytes = self.host_buffers.max_bytes
         self.recorder.publish(record)
 
     def report(self, policy: Sequence[str] | None = None) -> StepReport:

@@ -25,6 +25,7 @@ from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
 from .census import ATTENTIONS, LayerProfile, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
 from .module_search import ModuleSearch
+from .node import Node, host_memory_argument
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
 from .profiles import PROFILES, get_profile, with_flops
@@ -78,6 +79,16 @@ def parser() -> Parser:
         "also choose keep/offload/checkpoint per layer",
     )
     parser.add_argument(
+        "--ranks-per-node", type=at_least(1), default=1, help="ranks sharing a node's host"
+    )
+    parser.add_argument(
+        "--host-memory",
+        type=host_memory_argument,
+        default=None,
+        help="GiB of host memory a node gives offloading (or 256GiB, 1TiB): each rank's "
+        "share caps what the policy moves",
+    )
+    parser.add_argument(
         "--modules",
         nargs="+",
         metavar="NAME[=keep|offload]",
@@ -109,7 +120,8 @@ def layer_spec(args: argparse.Namespace) -> LayerSpec:
     return preset_layer(args.preset or "llama8b-layer", args.seq, args.batch)
 
 
-def print_plan(plan: Plan, description: str) -> None:
+def print_plan(plan: Plan, description: str, node: Node | None = None) -> None:
+    node = node or Node()
     layer, device = plan.layer, plan.device
     print(f"layer: {description}")
     print(
@@ -135,7 +147,8 @@ def print_plan(plan: Plan, description: str) -> None:
     print(f"L = {plan.num_layers}; times are PREDICTED by the schedule model")
     print(
         f"{'k':>3} {'offloaded/step GiB':>18} {'end of fwd GiB':>14} {'peak GiB':>9} "
-        f"{'exposed ms':>10} {'step ms':>9} {'overhead':>9} {'host GiB/rank':>13}"
+        f"{'exposed ms':>10} {'step ms':>9} {'overhead':>9} {'host GiB/rank':>13} "
+        f"{'host GiB/node':>13}"
     )
     for row in plan.rows:
         print(
@@ -143,11 +156,13 @@ def print_plan(plan: Plan, description: str) -> None:
             f"{row.end_of_forward_bytes / GIB:>14.3f} {row.peak_bytes / GIB:>9.3f} "
             f"{row.exposed_copy_s * 1e3:>10.3f} "
             f"{row.step_s * 1e3:>9.3f} {row.overhead:>9.2%} "
-            f"{host_bytes_per_rank(row) / GIB:>13.3f}"
+            f"{host_bytes_per_rank(row) / GIB:>13.3f} "
+            f"{node.per_node(row.offloaded_bytes) / GIB:>13.3f}"
         )
     print(
         "host GiB/rank: host memory (pinned on a GPU) one rank needs per micro-batch in "
-        "flight; the buffer pool reserves at most twice that; cap it with max_host_bytes"
+        "flight, with the pool's reserve; per node: times --ranks-per-node "
+        f"{node.ranks}; cap it with max_host_bytes ('auto': the rank's share of the node)"
     )
     print(f"largest k within {plan.overhead_budget:.1%} overhead: {plan.largest_hidden_k}")
     if plan.memory_budget is not None:
@@ -158,6 +173,14 @@ def print_plan(plan: Plan, description: str) -> None:
             print(f"smallest k that fits {budget} of activations: {plan.smallest_fitting_k}")
     if plan.policy is not None:
         print_policy(plan.policy)
+    print(node.describe(answer_bytes(plan)))
+
+
+def answer_bytes(plan: Plan) -> int:
+    """What the plan's answer moves per step: its policy's, else the largest hidden k's."""
+    if plan.policy is not None:
+        return plan.policy.predicted.offloaded_bytes
+    return plan.rows[plan.largest_hidden_k].offloaded_bytes
 
 
 def budget_text(budget: int) -> str:
@@ -169,8 +192,12 @@ def print_policy(choice: PolicyPlan) -> None:
     """The chosen policy as a table of runs of layers, and what it is predicted to cost."""
     row = choice.predicted
     budget = budget_text(choice.memory_budget)
+    if choice.host_cap is not None:
+        budget += f" and {choice.host_cap / GIB:.2f} GiB of host memory per rank"
     if choice.fits:
         print(f"policy for {budget} (the fastest of {choice.candidates} that fits):")
+    elif choice.binding == "max_host_bytes":
+        print(f"policy for {budget}: NOTHING FITS: the host binds; the closest that fits it:")
     elif choice.checkpoint_refused:
         print(
             f"policy for {budget}: NOTHING FITS without checkpointing (refused below); the "
@@ -196,12 +223,13 @@ def print_policy(choice: PolicyPlan) -> None:
 
 
 def host_bytes_per_rank(row: PlanRow) -> int:
-    """Host memory one rank holds for a micro-batch in flight: what it offloads in a step
-    (the pool serves it from power-of-two blocks and reserves at most twice that)."""
-    return row.offloaded_bytes
+    """Host memory one rank holds for a micro-batch in flight: what it offloads in a step,
+    with the pool's reserve (NOTE [Host memory per node] in node.py)."""
+    return Node().per_rank(row.offloaded_bytes)
 
 
-def to_json(plan: Plan, description: str) -> dict[str, object]:
+def to_json(plan: Plan, description: str, node: Node | None = None) -> dict[str, object]:
+    node = node or Node()
     layer = dataclasses.asdict(plan.layer)
     for measured in (layer, layer["following"]):
         if measured is not None:  # the long lists stay out: their totals are there
@@ -228,9 +256,12 @@ def to_json(plan: Plan, description: str) -> dict[str, object]:
                 for key, value in dataclasses.asdict(row).items()
                 if key not in ("log", "offloaded_layers")
             }
-            | {"host_bytes_per_rank": host_bytes_per_rank(row)}
+            | node.to_json(row.offloaded_bytes)
             for row in plan.rows
         ],
+        "ranks_per_node": node.ranks,
+        "host_memory_bytes": node.host_memory,
+        **node.to_json(answer_bytes(plan)),
         "largest_hidden_k": plan.largest_hidden_k,
         "overhead_budget": plan.overhead_budget,
         "memory_budget": plan.memory_budget,
@@ -245,6 +276,7 @@ def policy_json(choice: PolicyPlan) -> dict[str, object]:
         "policy": choice.policy,
         "policy_fits": choice.fits,
         "policy_checkpoint_refused": choice.checkpoint_refused,
+        "policy_binding": choice.binding,
         "policy_predicted": {
             "end_of_forward_bytes": row.end_of_forward_bytes,
             "peak_bytes": row.peak_bytes,
@@ -379,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--memory-budget GiB and leave out --modules"
         )
     modules = modules_argument(args.modules) if args.modules else None
+    node = Node(args.ranks_per_node, args.host_memory)
     budget = args.memory_budget  # bytes
     per_module = None
     if args.per_module and budget is not None:
@@ -413,11 +446,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         device,
         overhead_budget=args.overhead,
         memory_budget=budget,
+        host_cap=node.cap_per_rank,
     )
-    print_plan(plan, spec.description)
+    print_plan(plan, spec.description, node)
     if args.json:
         with open(args.json, "w") as file:
-            document = to_json(plan, spec.description)
+            document = to_json(plan, spec.description, node)
             if per_module is not None:
                 document["per_module"] = per_module.to_json()
             json.dump(document, file, indent=2)

@@ -340,7 +340,7 @@ class AutoPolicy:
         search = PolicySearch.of_layers(
             costs, *self.link, hazards=hazards, modules=self.modules, names=self.names
         )
-        self._apply(search.choose(self.budget()))
+        self._apply(search.choose(self.budget(), self.synchronizer.host_buffers.max_bytes))
         missing = [j for j, r in enumerate(found) if r is None]
         if missing:
             warn_once_per_call_site(
@@ -359,7 +359,8 @@ class AutoPolicy:
         if not plan.fits:
             warn_once_per_call_site(
                 f"cpu_offload: {self.api}: no policy fits the memory budget of "
-                f"{size(plan.memory_budget)}; the closest is applied ({plan.runs()}). "
+                f"{size(plan.memory_budget)} (the limit that binds: {plan.binding}); the "
+                f"closest is applied ({plan.runs()}). "
                 f"{plan.why}"
             )
 

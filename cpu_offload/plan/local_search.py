@@ -49,11 +49,16 @@ def order(
     moved: np.ndarray,
     checkpoints: np.ndarray,
     budget: int,
+    host_ok: np.ndarray | None = None,
 ) -> np.ndarray:
     """Indices from best to worst for ``budget``: policies that fit first, the fastest
     of them, then the fewest bytes moved, then the fewest layers checkpointed; where
-    none fits, the smallest peak, then the fastest."""
+    none fits, the smallest peak, then the fastest.  ``host_ok``: which policies fit the
+    host cap; one that does not never comes before one that does."""
     fits = peak <= budget
+    if host_ok is not None:
+        fits &= host_ok
+        peak = np.where(host_ok, peak, np.iinfo(np.int64).max)
     step = np.round(step_s, 12)
     first = np.where(fits, step, peak.astype(np.float64))
     then = np.where(fits, moved.astype(np.float64), step)

@@ -34,6 +34,7 @@ class Plan:
         memory_budget: the activation memory allowed, in bytes, or None.
         policy: with a memory budget, the per-layer policy chosen for it (keep,
             offload, checkpoint, checkpoint+offload; see :func:`choose_policy`).
+        host_cap: the host memory each rank may hold (``max_host_bytes``), or None.
     """
 
     layer: LayerProfile
@@ -43,6 +44,7 @@ class Plan:
     overhead_budget: float
     memory_budget: int | None
     policy: PolicyPlan | None = None
+    host_cap: int | None = None
 
     @property
     def largest_hidden_k(self) -> int:
@@ -72,6 +74,7 @@ def plan_offload(
     *,
     overhead_budget: float = 0.02,
     memory_budget: int | None = None,
+    host_cap: int | None = None,
 ) -> Plan:
     """Predict memory and time of offloading k of ``num_layers`` copies of ``layer``.
 
@@ -84,6 +87,8 @@ def plan_offload(
         overhead_budget: the step overhead the answer may cost (0.02: 2%).
         memory_budget: bytes of saved activations that must fit, or None; with one,
             ``plan.policy`` is the fastest per-layer policy that fits it.
+        host_cap: bytes of host memory one rank may hold (``max_host_bytes``), or None;
+            with a memory budget the policy fits it too (NOTE [Plans under a host cap]).
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(f"plan_offload: num_layers must be an int, got {num_layers!r}.")
@@ -100,5 +105,7 @@ def plan_offload(
     ]
     policy = None
     if memory_budget is not None:
-        policy = choose_policy(layer, num_layers, profile, memory_budget=memory_budget)
-    return Plan(layer, profile, num_layers, rows, overhead_budget, memory_budget, policy)
+        policy = choose_policy(
+            layer, num_layers, profile, memory_budget=memory_budget, host_cap=host_cap
+        )
+    return Plan(layer, profile, num_layers, rows, overhead_budget, memory_budget, policy, host_cap)

@@ -49,6 +49,10 @@ class PolicyPlan:
         layer_costs: the costs of each layer the plan was made from.
         layer_names: what each layer is (its class), for the table.
         why: when nothing fits, why not.
+        host_cap: the host cap the plan was made under (``max_host_bytes``), or None.
+        host_bytes: what the policy holds in host memory, with the pool's reserve.
+        binding: when nothing fits, the limit that binds: ``"memory_budget"`` or
+            ``"max_host_bytes"`` (a policy fits the device but not the host); else "".
     """
 
     policy: list[str]
@@ -60,6 +64,9 @@ class PolicyPlan:
     layer_costs: list[LayerCosts] = field(default_factory=list, repr=False)
     layer_names: list[str] = field(default_factory=list, repr=False)
     why: str = ""
+    host_cap: int | None = None
+    host_bytes: int = 0
+    binding: str = ""
 
     def blocks(self) -> list[tuple[int, int, str]]:
         """``(first layer, last layer, choice)`` for each run of equal choices."""
@@ -75,13 +82,18 @@ class PolicyPlan:
         return (
             f"{self.runs()}; predicted peak {size(row.peak_bytes)} of "
             f"{size(self.memory_budget)}{'' if self.fits else ' (NOTHING FITS: the closest)'}"
-            f", predicted overhead {row.overhead:+.1%}"
+            f"{self._host()}, predicted overhead {row.overhead:+.1%}"
         )
+
+    def _host(self) -> str:
+        if self.host_cap is None:
+            return ""
+        return f", host {size(self.host_bytes)} of {size(self.host_cap)}"
 
     def __str__(self) -> str:
         row = self.predicted
         lines = [
-            f"PolicyPlan for {size(self.memory_budget)} of saved activations: "
+            f"PolicyPlan for {size(self.memory_budget)} of saved activations{self._host()}: "
             + ("fits" if self.fits else "NOTHING FITS (the closest)")
             + f", the best of {self.candidates} policies",
             f"{'layer':>5}  {'module':<24} {'choice':<12} {'saved':>11} {'moved':>11} "

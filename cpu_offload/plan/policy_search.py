@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..engine.host_buffers import CLASS_DIVISIONS, pool_reserve
 from ..engine.schedule import max_offloaded, release_point, reload_point
 from ..policy.memory_budget import size
 from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
@@ -307,7 +308,7 @@ class PolicySearch:
                     ok &= (checkpointed[:, at] == checkpointed[:, at[:1]]).all(axis=1)
         return ok
 
-    def _rank(self, codes: np.ndarray, budget: int) -> np.ndarray:
+    def _rank(self, codes: np.ndarray, budget: int, host_cap: int | None) -> np.ndarray:
         results = simulate_many(codes, self.costs, self.d2h, self.h2d)
         return order(
             results.peak_bytes,
@@ -315,11 +316,13 @@ class PolicySearch:
             results.offloaded_bytes,
             self.checkpointed(codes).sum(axis=1),
             budget,
+            host_fits(results.offloaded_bytes, host_cap),
         )
 
-    def choose(self, memory_budget: int) -> PolicyPlan:
+    def choose(self, memory_budget: int, host_cap: int | None = None) -> PolicyPlan:
         """The fastest policy whose peak fits ``memory_budget`` bytes (ties: fewer bytes
-        moved, then fewer layers checkpointed, then the earliest in a fixed order)."""
+        moved, then fewer layers checkpointed, then the earliest in a fixed order) and
+        whose host bytes fit ``host_cap`` (NOTE [Plans under a host cap])."""
         if (
             isinstance(memory_budget, bool)
             or not isinstance(memory_budget, int)
@@ -336,10 +339,11 @@ class PolicySearch:
             results.offloaded_bytes,
             self.checkpoints,
             memory_budget,
+            host_fits(results.offloaded_bytes, host_cap),
         )
         codes = self.codes[int(ranked[0])]
         if self.refine:  # NOTE [Layers that differ]
-            rank = lambda c: self._rank(c, memory_budget)  # noqa: E731
+            rank = lambda c: self._rank(c, memory_budget, host_cap)  # noqa: E731
             found = np.array(
                 [
                     improve(self.codes[int(start)], self.allowed, rank, 4 * len(self.costs))
@@ -349,7 +353,20 @@ class PolicySearch:
             codes = found[int(rank(found)[0])]
         policy = [POLICY_CHOICES[code] for code in codes]
         row = simulate_policy(policy, self.costs, self.d2h, self.h2d)
-        fits = row.peak_bytes <= memory_budget
+        binding = ""
+        if row.peak_bytes > memory_budget:
+            binding = "memory_budget"
+            if host_cap is not None and (results.peak_bytes <= memory_budget).any():
+                binding = "max_host_bytes"  # a policy fits the device, not the host
+        fits = not binding
+        why = "" if fits else self._why(row, memory_budget)
+        if binding == "max_host_bytes":
+            why = (
+                f"why nothing fits: the host cap binds. Every policy that fits the budget of "
+                f"{size(memory_budget)} moves more than max_host_bytes={size(host_cap or 0)} "
+                "holds (with the pool's reserve); the closest that fits the host peaks at "
+                f"{size(row.peak_bytes)}. Raise max_host_bytes or memory_budget."
+            )
         return PolicyPlan(
             policy,
             fits,
@@ -359,7 +376,10 @@ class PolicySearch:
             self.checkpoint_refused,
             self.costs,
             self.layer_names,
-            "" if fits else self._why(row, memory_budget),
+            why,
+            host_cap,
+            int(pool_reserve(row.offloaded_bytes)),
+            binding,
         )
 
     def _why(self, row: PlanRow, budget: int) -> str:
@@ -378,12 +398,29 @@ class PolicySearch:
         )
 
 
+# NOTE [Plans under a host cap]
+# With max_host_bytes, a policy fits only if the host pool can hold what it moves: with
+# the default schedule every offloaded layer's copy is on the host at the end of the
+# forward, so a policy needs pool_reserve(offloaded_bytes) (the bytes moved per step and
+# the pool's rounding, host_buffers.py) <= the cap.  A policy over the cap would not run
+# as predicted (the pool keeps on the device what it refuses), so it is never chosen:
+# the search checkpoints where the host is short.  When nothing fits both, the closest
+# policy that fits the host is chosen, and the plan says which limit binds.
+def host_fits(offloaded_bytes: np.ndarray, host_cap: int | None) -> np.ndarray | None:
+    """Which policies' moved bytes (with the pool's reserve: :func:`pool_reserve`, on an
+    array) fit ``host_cap`` (None: all)."""
+    if host_cap is None:
+        return None
+    return np.asarray(offloaded_bytes + offloaded_bytes // CLASS_DIVISIONS <= host_cap)
+
+
 def choose_policy(
     layer: LayerProfile,
     num_layers: int,
     device: str | DeviceProfile = "h100",
     *,
     memory_budget: int,
+    host_cap: int | None = None,
 ) -> PolicyPlan:
     """The per-layer policy with the least predicted step time whose saved activations
     fit ``memory_budget`` bytes at every point of the step.  A layer whose recompute
@@ -396,6 +433,7 @@ def choose_policy(
         device: a profile name, a JSON file of ``python -m cpu_offload.check``, or a
             :class:`DeviceProfile`.
         memory_budget: bytes of saved activations allowed on the device.
+        host_cap: bytes of host memory the policy may hold (``max_host_bytes``), or None.
 
     Example:
         >>> import torch
@@ -409,4 +447,4 @@ def choose_policy(
         >>> tight.fits, tight.predicted.peak_bytes <= layer.saved_bytes * 3
         (True, True)
     """
-    return PolicySearch(layer, num_layers, device).choose(memory_budget)
+    return PolicySearch(layer, num_layers, device).choose(memory_budget, host_cap)

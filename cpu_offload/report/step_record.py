@@ -91,6 +91,8 @@ class StepRecord:
         layers: per layer (or chunk), its counts, or None where no hooks saw it.
         end_of_forward: what was measured at the end of its forward, if it ended.
         device_peak_bytes: the device's peak allocation when the step ended.
+        host_allocations: host blocks the pool allocated since the previous step ended.
+        host_cap_bytes: the pool's cap (``max_host_bytes``), None without one.
         recomputed: the layers whose checkpoint recomputed in the step's backward.
         choices: the policy the step ran under, where it changes between steps (a
             memory budget's plan), else None.
@@ -104,6 +106,8 @@ class StepRecord:
         "layers",
         "end_of_forward",
         "device_peak_bytes",
+        "host_allocations",
+        "host_cap_bytes",
         "recomputed",
         "choices",
         "backward_ran",
@@ -119,6 +123,8 @@ class StepRecord:
         self.layers = layers
         self.end_of_forward = end_of_forward
         self.device_peak_bytes: int | None = None
+        self.host_allocations = 0
+        self.host_cap_bytes: int | None = None
         self.recomputed: frozenset[int] | set[int] = frozenset()
         self.choices: list[str] | None = None
         self.backward_ran = False

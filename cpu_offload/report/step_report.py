@@ -187,6 +187,9 @@ class StepReport:
         end_of_forward: memory at the end of the step's forward, if measured.
         device_peak_bytes: the device's peak allocation since its last
             ``reset_peak_memory_stats`` (None: the device reports no memory).
+        host_allocations: host blocks the pool allocated for the step (since the step
+            before it ended): 0 at fixed shapes after the first step.
+        host_cap_bytes: the host pool's cap (``max_host_bytes``), None without one.
     """
 
     step: int = 0
@@ -196,6 +199,8 @@ class StepReport:
     device: str = ""
     end_of_forward: EndOfForward | None = None
     device_peak_bytes: int | None = None
+    host_allocations: int = 0
+    host_cap_bytes: int | None = None
 
     def _total(self, name: str) -> int:
         return sum(getattr(row, name) for row in self.rows if row.counted)
@@ -266,11 +271,14 @@ class StepReport:
             scalars["host_reserved_bytes"] = end.host_reserved_bytes
             scalars["host_in_use_bytes"] = end.host_in_use_bytes
             scalars["released_bytes"] = end.released_bytes
+            scalars["host_allocations"] = self.host_allocations
             if end.device_bytes is not None:
                 scalars["device_bytes_end_of_forward"] = end.device_bytes
                 scalars["device_bytes_keeping_everything"] = end.device_bytes + end.released_bytes
         if self.device_peak_bytes is not None:
             scalars["device_peak_bytes"] = self.device_peak_bytes
+        if self.host_cap_bytes is not None:
+            scalars["host_cap_bytes"] = self.host_cap_bytes
         return scalars
 
     def __str__(self) -> str:
@@ -310,7 +318,9 @@ class StepReport:
             return []
         lines = [
             f"host memory at the end of forward: {mib(end.host_in_use_bytes)} in use, "
-            f"{mib(end.host_reserved_bytes)} reserved"
+            f"{mib(end.host_reserved_bytes)} reserved, {self.host_allocations} host "
+            "allocations in the step"
+            + ("" if self.host_cap_bytes is None else f", cap {mib(self.host_cap_bytes)}")
         ]
         if end.device_bytes is None:
             lines.append(
@@ -427,4 +437,6 @@ class StepRecorder:
             device=device,
             end_of_forward=end,
             device_peak_bytes=record.device_peak_bytes,
+            host_allocations=record.host_allocations,
+            host_cap_bytes=record.host_cap_bytes,
         )

@@ -735,6 +735,38 @@ def automatic_policy(
     return program
 
 
+def budget_under_a_host_cap(off: Offload) -> list[torch.Tensor]:
+    """offload_layers(memory_budget=..., max_host_bytes=...): the plan checkpoints where
+    the host is short, and the steps move what it predicts, nothing refused by the cap."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(L)]
+    handle = None
+    if off.k is not None:
+        handle = offload_layers(
+            blocks,
+            memory_budget=1,
+            max_host_bytes="100KiB",
+            min_offload_numel=0,
+            copy_bandwidth=1e3,
+        )
+        off.handles.append(handle.context)
+    found = []
+    for step in range(3):
+        x = leaf(256, 64)  # 64 KiB per saved tensor: one fits the cap
+        h = x
+        for block in blocks:
+            h = block(h)
+        h.sum().backward()
+        found += [x.grad, *(p.grad.clone() for block in blocks for p in block.parameters())]
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+        if handle is not None and step > 0:
+            report = handle.report().to_dict()
+            assert report["moved_bytes"] == handle.plan.predicted.offloaded_bytes > 0
+            assert "kept_bytes/host_cap" not in report
+    return found
+
+
 class Keywords(torch.nn.Module):
     """A layer whose keyword arguments are named like ``torch.utils.checkpoint``'s own;
     each changes what it computes."""
@@ -1190,6 +1222,7 @@ PROGRAMS = {
     "modules=, a kept submodule's input modified in place": Row(
         hugging_face_modules("llama", inplace=True), match=MODIFIED
     ),
+    "memory_budget under a host cap": Row(budget_under_a_host_cap),
     "memory_budget, a longer input measured again": Row(automatic_policy((8, 8, 24, 24, 8))),
     "memory_budget, a layer's input modified in place": Row(
         automatic_policy((8, 8), inplace=True), match=MODIFIED
