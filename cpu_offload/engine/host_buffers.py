@@ -41,6 +41,15 @@ NOTE [Host memory pool]
     memory) the pool never reserves more: free blocks are freed first, and a tensor
     that still does not fit gets no buffer and stays on the device (counted in the
     statistics, with one warning).
+
+NOTE [A host that says no]
+    A host allocation can fail: host memory runs out, pinned pages pass
+    ``RLIMIT_MEMLOCK`` or a cgroup's limit.  The pool then treats what it reserved
+    as its cap from there on (free blocks are evicted to make room, nothing more is
+    asked of the host), and the tensor that asked stays on the device, as one over
+    ``max_bytes`` does: counted (``stats.host_allocations_failed``, and the tensor in
+    ``stats.tensors_kept_by_host_cap`` and the step report's ``host_cap`` reason), with
+    one warning naming the cap to set.  A step never fails for it.
 """
 
 from __future__ import annotations
@@ -146,6 +155,8 @@ class HostBufferPool:
         self.max_bytes = max_bytes
         self._stats = stats if stats is not None else OffloadStats()
         self._warned_cap = False
+        #: bytes reserved when the host refused an allocation: the pool holds there
+        self._host_full: int | None = None
         # Free blocks by size class, and the sorted classes that have one, so lending
         # and taking back cost O(classes), not O(blocks).
         self._free_sizes: list[int] = []
@@ -161,6 +172,12 @@ class HostBufferPool:
         # Passes of several threads share the pool.  Re-entrant: a garbage collection
         # inside ``acquire`` may run a layer's finalizer, which gives its buffers back.
         self._lock = threading.RLock()
+
+    @property
+    def may_refuse(self) -> bool:
+        """Whether :meth:`acquire` may give a tensor no buffer: under ``max_bytes``, or
+        once the host refused an allocation (NOTE [A host that says no])."""
+        return self.max_bytes is not None or self._host_full is not None
 
     # -------------------------------------------------------------- lending
 
@@ -271,11 +288,17 @@ class HostBufferPool:
                 return None  # it can never fit: evicting free blocks would not help
             # (in retain mode nothing is free to evict)
             self._evict_for(size, int(RESERVE_RATIO * self._peak_requested))
-            if self.max_bytes is not None:
-                if self._in_use + size > self.max_bytes:
-                    return None  # evicting every free block would not make room
-                self._evict_for(size, self.max_bytes)
-            block = _Block(self._backend.empty_host_bytes(size))
+            for limit in (self.max_bytes, self._host_full):
+                if limit is not None:
+                    if self._in_use + size > limit:
+                        return None  # evicting every free block would not make room
+                    self._evict_for(size, limit)
+            try:
+                data = self._backend.empty_host_bytes(size)
+            except (RuntimeError, MemoryError) as error:  # NOTE [A host that says no]
+                self._refused_by_host(size, error)
+                return None
+            block = _Block(data)
             self._reserved += size
             self._num_alloc += 1
         self._in_use += size
@@ -314,6 +337,26 @@ class HostBufferPool:
                 "stats.tensors_kept_by_host_cap; gradients are unchanged). Raise "
                 "max_host_bytes or offload fewer layers to move them. This warning is "
                 "shown once.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _refused_by_host(self, size: int, error: BaseException) -> None:
+        """The host would not give ``size`` more bytes: the pool holds at what it has,
+        and the tensor stays on the device (NOTE [A host that says no])."""
+        self._host_full = self._reserved
+        self._stats.host_allocations_failed += 1
+        if self._stats.host_allocations_failed == 1:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            warn(
+                f"cpu_offload: the host refused a {size / 2**20:.1f} MiB buffer ({reason}); "
+                f"the pool keeps the {self._reserved / 2**20:.1f} MiB it holds, and saved "
+                "tensors that do not fit stay on the device (counted in "
+                "stats.tensors_kept_by_host_cap; gradients are unchanged). Set "
+                f"max_host_bytes to what this rank may lock (at most {self._reserved} bytes "
+                "here, or 'auto': the node's available memory shared by its ranks), or "
+                "raise the limit that refused (RLIMIT_MEMLOCK, the cgroup's memory.max). "
+                "This warning is shown once.",
                 UserWarning,
                 stacklevel=2,
             )

@@ -273,8 +273,9 @@ class LayerData:
             if event is not None and id(event) not in waited:
                 waited.add(id(event))
                 backend.wait_event(stream, event)
-        if pool.max_bytes is not None and any(h is None for h in host):
-            # The pool is at max_host_bytes: what got no buffer stays on the device.
+        if pool.may_refuse and any(h is None for h in host):
+            # The pool is at max_host_bytes, or the host said no: what got no buffer
+            # stays on the device.
             self.stay = [t if h is None else None for h, t in zip(host, unique)]
             sizes = [n for n, h in zip(sizes, host) if h is not None]
         self.host_bytes = sum(sizes)

@@ -19,8 +19,10 @@ class OffloadStats:
         on_demand_reloads: layers reloaded by a pop because no reload was scheduled.
         forward_passes: forward passes started.
         tensors_kept_by_host_cap: tensors left on the device because the host buffer
-            pool was at ``max_host_bytes``, and
+            pool was at ``max_host_bytes`` or the host refused to give it more, and
         bytes_kept_by_host_cap: their bytes.
+        host_allocations_failed: host allocations the host refused (out of memory,
+            ``RLIMIT_MEMLOCK``, a cgroup's limit); the pool holds at what it had then.
     """
 
     tensors_offloaded: int = 0
@@ -31,6 +33,7 @@ class OffloadStats:
     forward_passes: int = 0
     tensors_kept_by_host_cap: int = 0
     bytes_kept_by_host_cap: int = 0
+    host_allocations_failed: int = 0
 
     def __str__(self) -> str:
         """One line of what moved, as the docs' examples print it."""

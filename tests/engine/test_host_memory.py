@@ -249,3 +249,43 @@ def test_a_tensor_whose_block_exceeds_max_host_bytes_evicts_nothing():
     with pytest.warns(UserWarning, match="max_host_bytes"):
         assert pool.acquire(1, [torch.empty(MIN_BLOCK_BYTES)]) == [None]  # a 16 KiB block
     assert pool.stats()["reserved_bytes"] == MIN_BLOCK_BYTES and pool.stats()["num_host_free"] == 0
+
+
+@pytest.mark.parametrize("allowed", [0, 2], ids=["first", "third"])
+def test_a_host_that_refuses_an_allocation_loses_nothing(streams, allowed, monkeypatch):
+    # The host refuses the allocation after `allowed` blocks (out of memory, RLIMIT_MEMLOCK,
+    # a cgroup's limit): the tensors that find no buffer stay on the device, counted, with
+    # one warning naming the cap to set; the step runs and the gradients are torch's.
+    layers = make_layers("mlp", 4, WIDTH, torch.float32)
+    plain = []
+    for step in range(3):
+        layers.zero_grad()
+        forward(layers, _input(64, step)).sum().backward()
+        plain.append([p.grad.clone() for p in layers.parameters()])
+    ctx, sync_fn = get_cpu_offload_context(True, 3, 4, min_offload_numel=0)
+    synchronizer = ctx.offload_synchronizer
+    backend = synchronizer.backend
+    allocate, calls = backend.empty_host_bytes, []
+
+    def refusing(nbytes):
+        calls.append(nbytes)
+        if len(calls) > allowed:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return allocate(nbytes)
+
+    monkeypatch.setattr(backend, "empty_host_bytes", refusing)
+    with pytest.warns(
+        UserWarning, match=r"the host refused a .* MiB buffer \(CUDA error: out"
+    ) as w:
+        for step in range(3):
+            layers.zero_grad()
+            forward(layers, _input(64, step), ctx, sync_fn).sum().backward()
+            assert_bit_identical(plain[step], [p.grad.clone() for p in layers.parameters()])
+    assert sum("the host refused" in str(x.message) for x in w) == 1
+    assert "Set max_host_bytes to what this rank may lock" in str(w[0].message)
+    stats = synchronizer.stats
+    assert stats.host_allocations_failed == 1  # asked once: the pool holds from there
+    assert stats.tensors_kept_by_host_cap > 0
+    assert (stats.tensors_offloaded > 0) == (allowed > 0)
+    assert synchronizer.host_memory_stats()["reserved_bytes"] == sum(calls[:allowed])
+    assert ctx.report().kept_because["over max_host_bytes"][0] > 0  # the last step's
