@@ -182,7 +182,10 @@ def test_hooks_preset_reports_the_cost_per_tensor(tmp_path, capsys):
     assert modes["save_on_cpu"]["tensors_per_step"] == 3 * 32
     assert modes["hooks:move"]["tensors_per_step"] == 2 * 4 * 5  # inputs, mean, rstd
     assert all(len(m["step_ms"]) == 2 for m in modes.values())
-    assert modes["hooks:move"]["ratio_to_save_on_cpu"] is not None
+    # The ratio's value is a timing (tests read a ticking clock: NOTE in conftest.py); its
+    # field is there, a number or None where a cost does not come out positive.
+    ratio = modes["hooks:move"]["ratio_to_save_on_cpu"]
+    assert ratio is None or ratio > 0
 
 
 def test_torchtune_row_is_skipped_off_cuda_with_the_reason():
