@@ -146,7 +146,8 @@ def peer_step(
         warnings.simplefilter("ignore")  # the peers' own warnings (host memory checks, ...)
         with modeled_cuda(cast(TimedRuntime, run.live)):
             h = x.clone()  # the stack's input, as an embedding makes it: counted
-            PEERS[name].forward(stack, h).float().square().mean().backward()
+            out = PEERS[name].forward(stack, h)  # held through backward, as ours is
+            out.float().square().mean().backward()
     return run
 
 
@@ -193,6 +194,7 @@ class PeerRow:
             ours_moved_bytes=None if ours is None else ours.d2h_bytes + ours.h2d_bytes,
             ours_host_peak_bytes=None if ours is None else ours.host_peak_bytes,
             ours_speedup=None if ours is None else peer.step_s / ours.step_s,
+            ours_fits=None if ours is None else ours.peak_bytes <= peer.peak_bytes,
         )
         return row
 

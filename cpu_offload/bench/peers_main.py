@@ -37,6 +37,7 @@ def print_peers(rows: list[PeerRow], profile_name: str) -> None:
             f"{(peer.d2h_bytes + peer.h2d_bytes) / GIB:10.2f} "
             f"{peer.host_peak_bytes / GIB:9.2f} | {ours.step_s * 1e3:9.2f} "
             f"{ours.peak_bytes / GIB:9.2f} {peer.step_s / ours.step_s:9.3f}  {row.ours_label}"
+            + ("" if ours.peak_bytes <= peer.peak_bytes else " (over the peer's peak)")
         )
     print(
         f"modeled {profile_name}; peak: the model's allocator peak; ours: the planner's policy "

@@ -31,7 +31,7 @@ FIELDS = {
 
 def test_every_peer_runs_its_own_code_beside_ours(tmp_path, capsys):
     paths = {name: tmp_path / name for name in ("peers.json", "trace.json")}
-    argv = ["--preset", "tiny", "--layers", "2", "--seq", "64", "--simulate", "h100"]
+    argv = ["--preset", "tiny", "--layers", "3", "--seq", "128", "--simulate", "h100"]
     argv += ["--modes", ",".join(MODES), "--json", str(paths["peers.json"])]
     argv += ["--trace", str(paths["trace.json"])]
     assert main(argv) == 0
@@ -47,8 +47,19 @@ def test_every_peer_runs_its_own_code_beside_ours(tmp_path, capsys):
         row = rows[mode]
         assert FIELDS <= set(row), mode
         assert row["code"] == PEERS[mode].code
-        # ours was planned for the peer's peak and fits under it
-        assert 0 < row["ours_peak_bytes"] <= row["modeled_peak_bytes"], row
+        fits = row["ours_peak_bytes"] <= row["modeled_peak_bytes"]
+        assert row["ours_fits"] is fits and row["ours_peak_bytes"] > 0, row
+        assert row["ours_speedup"] == pytest.approx(row["modeled_step_s"] / row["ours_step_s"])
+    # the same program, the same clocks: ours keeping every layer is the plain run
+    assert rows["none"]["ours_policy"] == ["keep"] * 3
+    assert rows["none"]["ours_step_s"] == rows["none"]["modeled_step_s"]
+    assert rows["none"]["ours_peak_bytes"] == rows["none"]["modeled_peak_bytes"]
+    # beside checkpointing ours fits and is faster; beside the per-tensor offloaders ours
+    # is faster, at a peak that does not reach theirs (docs/benchmarks.md: ours reloads a
+    # layer at a time, they one saved tensor at a time)
+    assert rows["checkpoint"]["ours_fits"] and rows["checkpoint"]["ours_speedup"] > 1
+    for mode in ran & {"save_on_cpu", "torchtune", "trl"}:
+        assert rows[mode]["ours_speedup"] > 1 and not rows[mode]["ours_fits"], rows[mode]
     for mode in {"none", "checkpoint"}:  # they copy nothing
         assert rows[mode]["moved_bytes"] == rows[mode]["modeled_host_peak_bytes"] == 0
     for mode in ran & {"save_on_cpu", "hf_offload", "torchtune", "trl"}:  # they copy
