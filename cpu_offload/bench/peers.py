@@ -15,11 +15,13 @@ NOTE [Peers on the modeled accelerator]
     starts at the peer's peak less what the stack holds besides (the modeled peak
     without offload less the planner's), and tightens by what ours overshot until ours
     fits under the peer's peak.  ``hf_offload`` runs transformers' own Llama decoder
-    stack; ours beside it runs the benchmark's Llama layers of the same shapes.
+    stack, and ours beside it runs on that stack too (``offload_layers`` on its ``layers``,
+    unmodified); the planner's census is of the benchmark's Llama layer of the same shapes.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from typing import Any, cast
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..layer_hooks import offload_layers
 from ..plan.census import LayerProfile
 from ..plan.planner import plan_offload
 from ..plan.policy_search import choose_policy
@@ -38,7 +41,7 @@ from ..testing.modeled_cuda import modeled_cuda
 from .config import BenchConfig
 from .simulate import modeled_step, stack_of
 
-__all__ = ["PEERS", "PeerRow", "hf_stack", "ours_at", "peer_step", "run_peers"]
+__all__ = ["PEERS", "PeerRow", "hf_ours_step", "hf_stack", "ours_at", "peer_step", "run_peers"]
 
 GIB = 2**30
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
@@ -199,29 +202,64 @@ class PeerRow:
         return row
 
 
-def ours_at(
-    peak: int,
-    layers: torch.nn.ModuleList,
+def hf_ours_step(
+    model: torch.nn.Module,
     x: torch.Tensor,
-    layer: LayerProfile,
-    device: Any,
-    offset: int,
+    profile: Any,
+    policy: list[str],
     min_offload_numel: int,
     record: bool = False,
+) -> TimedReport:
+    """Ours on transformers' own Llama stack (its ``layers``, under ``offload_layers``
+    with ``policy``), unmodified, on the modeled ``torch.cuda``: the ``hf_offload``
+    row's ours."""
+    for tensor in [x, *model.parameters()]:
+        tensor.grad = None
+    with timed_runtime(profile, record=record) as run, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # k = L - 1 and checkpoint notices
+        with modeled_cuda(cast(TimedRuntime, run.live)):
+            handle = offload_layers(
+                model.layers,  # type: ignore[arg-type]
+                policy=policy,
+                min_offload_numel=min_offload_numel,
+            )
+            try:
+                h = x.clone()
+                out = model(inputs_embeds=h, use_cache=False).last_hidden_state
+                out.float().square().mean().backward()
+            finally:
+                handle.remove()
+    return run
+
+
+def ours_step(
+    layers: torch.nn.ModuleList,
+    x: torch.Tensor,
+    profile: Any,
+    min_offload_numel: int,
+    record: bool,
+    policy: list[str],
+) -> TimedReport:
+    """Ours on the benchmark's stack with ``policy`` (``simulate.modeled_step``)."""
+    return modeled_step(
+        layers, x, profile, policy=policy, min_offload_numel=min_offload_numel, record=record
+    )
+
+
+def ours_at(
+    peak: int,
+    step: Callable[[list[str]], TimedReport],
+    layer: LayerProfile,
+    num_layers: int,
+    device: Any,
+    offset: int,
 ) -> tuple[list[str], TimedReport]:
     """Our policy for a device peak of ``peak`` bytes (NOTE [Peers on the modeled
-    accelerator]), and its modeled run."""
+    accelerator]), and its modeled run by ``step``."""
     budget = max(peak - offset, 0)
     for _ in range(4):
-        chosen = choose_policy(layer, len(layers), device, memory_budget=budget)
-        run = modeled_step(
-            layers,
-            x,
-            device,
-            policy=chosen.policy,
-            min_offload_numel=min_offload_numel,
-            record=record,
-        )
+        chosen = choose_policy(layer, num_layers, device, memory_budget=budget)
+        run = step(chosen.policy)
         over = run.peak_bytes - peak
         if over <= 0 or budget == 0:
             break
@@ -252,9 +290,17 @@ def run_peers(
             reason = f"{peer.module} is not importable ({error}); pip install 'cpu-offload[peers]'"
             rows.append(PeerRow(mode, peer.code, None, skip_reason=reason))
             continue
-        stack = hf_stack(config) if mode == "hf_offload" else layers
-        modeled = peer_step(mode, stack, x, device, record)
-        policy, ours = ours_at(modeled.peak_bytes, layers, x, layer, device, offset, numel, record)
+        step: Callable[[list[str]], TimedReport]
+        if mode == "hf_offload":
+            modeled = peer_step(mode, hf_stack(config), x, device, record)
+            model = hf_stack(config)  # without transformers' checkpointing
+            step = functools.partial(
+                hf_ours_step, model, x, device, min_offload_numel=numel, record=record
+            )
+        else:
+            modeled = peer_step(mode, layers, x, device, record)
+            step = functools.partial(ours_step, layers, x, device, numel, record)
+        policy, ours = ours_at(modeled.peak_bytes, step, layer, config.layers, device, offset)
         rows.append(PeerRow(mode, peer.code, modeled, ours, policy))
         if progress is not None:
             progress(rows[-1])

@@ -102,6 +102,22 @@ def _moves(is_host: Callable[[torch.Tensor], bool]) -> dict[str, Any]:
     return {"to": to, "cuda": cuda}
 
 
+def _constructors() -> dict[str, Any]:
+    """``torch.tensor`` and ``torch.as_tensor`` with ``device="cuda"``: they build their
+    tensor beneath the dispatch modes, so the meta device is given to them here."""
+    made = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+
+    def wrap(name: str) -> Callable[..., torch.Tensor]:
+        def construct(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = _META
+            return made[name](data, *args, **kwargs)  # type: ignore[no-any-return]
+
+        return construct
+
+    return {name: wrap(name) for name in made}
+
+
 class _DeviceGuard:
     """``torch.cuda.device(index)``: one device, nothing to switch."""
 
@@ -218,5 +234,6 @@ def modeled_cuda(runtime: TimedRuntime) -> Iterator[None]:
         stack.enter_context(_patched(torch.cuda, cuda))
         stack.enter_context(_patched(torch.accelerator, accelerator))
         stack.enter_context(_patched(torch.Tensor, tensor))
+        stack.enter_context(_patched(torch, _constructors()))
         stack.enter_context(operators)
         yield

@@ -109,3 +109,10 @@ def test_a_peers_offload_activations_runs_unmodified_and_moves_bytes(module):
     # the last saved tensor is still stashed on the device when backward begins
     assert run.h2d_bytes == run.d2h_bytes - 2 * UNIT
     assert run.exposed_copy_s > 0 and run.host_syncs == 0
+
+
+def test_tensor_constructors_on_cuda_are_meta_underneath():
+    with timed_runtime(DEVICE) as run, modeled_cuda(run.live):
+        made = [torch.tensor([], device="cuda"), torch.as_tensor([1.0, 2.0], device="cuda")]
+        assert [t.device.type for t in made] == ["cuda", "cuda"]
+    assert all(t.is_meta for t in made) and made[1].shape == (2,)
