@@ -273,7 +273,7 @@ def ours_at(
     fitting = [(p, r) for p, r in tried if r.peak_bytes <= peak]
     if fitting:
         return min(fitting, key=lambda tried_run: tried_run[1].step_s)
-    return min(tried, key=lambda tried_run: tried_run[1].peak_bytes)
+    return min(tried, key=lambda tried_run: (tried_run[1].peak_bytes, tried_run[1].step_s))
 
 
 def run_peers(
