@@ -12,17 +12,17 @@ The public API mirrors TransformerEngine's ``get_cpu_offload_context``::
 from __future__ import annotations
 
 from . import testing
-from .autograd_hooks import is_cpu_offload_enabled
 from .context import get_cpu_offload_context
+from .engine.layer_context import OffloadContext
+from .engine.layer_state import OffloadableLayerState
+from .engine.synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
+from .engine.transitions import LayerState
 from .errors import CpuOffloadError, OffloadStateError
-from .layer_context import OffloadContext
+from .hooks.autograd_hooks import is_cpu_offload_enabled
+from .hooks.marking import mark_activation_offload, mark_not_offload, start_offload
 from .layer_hooks import OffloadLayersHandle, offload_layers
-from .layer_state import OffloadableLayerState
-from .marking import mark_activation_offload, mark_not_offload, start_offload
-from .selective_checkpoint import create_selective_checkpoint_contexts
-from .stats import OffloadStats
-from .synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
-from .transitions import LayerState
+from .policy.selective_checkpoint import create_selective_checkpoint_contexts
+from .report.stats import OffloadStats
 
 __version__ = "0.1.0"
 

@@ -28,13 +28,13 @@ from torch import nn
 
 from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 
-from .backend import DeviceBackend
 from .bench.measure import measure_ceiling
 from .cli import Parser, device, output_file
 from .context import get_cpu_offload_context
-from .copy_timer import CopyTimer
-from .device import deterministic_algorithms, device_name, get_backend
+from .device.backend import DeviceBackend
+from .device.runtime import deterministic_algorithms, device_name, get_backend
 from .models.gpt import Block
+from .report.copy_timer import CopyTimer
 from .testing import strict_runtime
 
 __all__ = ["CheckResult", "main", "run_checks"]

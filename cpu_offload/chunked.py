@@ -3,7 +3,7 @@
 torchtune's and TRL's users write ``with OffloadActivations(): loss = model(batch)``
 around a whole model, with no layer structure to hook.  :class:`ChunkedOffload` takes
 that shape: one pack hook for the whole forward hands each saved tensor to the current
-*chunk* (an :class:`~cpu_offload.layer_state.OffloadableLayerState`), and a chunk closes
+*chunk* (an :class:`~cpu_offload.engine.layer_state.OffloadableLayerState`), and a chunk closes
 once it holds enough offloadable bytes.
 
 NOTE [Chunks by bytes]
@@ -49,7 +49,11 @@ from typing import Any
 
 import torch
 
-from .autograd_hooks import (
+from .engine.chunk_engine import ChunkedForward, ChunkEngine
+from .engine.layer_state import OffloadableLayerState
+from .engine.transitions import LayerState
+from .errors import CpuOffloadError
+from .hooks.autograd_hooks import (
     ActiveToken,
     enter_active,
     forward_inside_backward,
@@ -58,17 +62,13 @@ from .autograd_hooks import (
     push_saved_tensor_hooks,
     saved_tensor_hooks_enabled,
 )
-from .chunk_engine import ChunkedForward, ChunkEngine
-from .eager import eager
-from .errors import CpuOffloadError
-from .handles import SharedHandle, unpack_saved
-from .layer_state import OffloadableLayerState
+from .hooks.eager import eager
+from .hooks.handles import SharedHandle, unpack_saved
+from .hooks.per_thread import PerThread
+from .hooks.selection import is_offloadable
 from .log import logger, warn
-from .per_thread import PerThread
-from .selection import is_offloadable
-from .step_record import nominal_bytes
-from .step_report import StepReport
-from .transitions import LayerState
+from .report.step_record import nominal_bytes
+from .report.step_report import StepReport
 
 __all__ = ["CHUNK_FRACTION", "MAX_CHUNK_BYTES", "ChunkedForward", "ChunkedOffload", "ChunkEngine"]
 

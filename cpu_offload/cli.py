@@ -115,7 +115,7 @@ def int_list(minimum: int) -> Callable[[str], list[int]]:
 
 def device(text: str) -> str:
     """An argparse type: a device this package can use and this machine has."""
-    from .device import get_backend
+    from .device.runtime import get_backend
 
     try:
         get_backend(text)

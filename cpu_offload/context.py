@@ -12,13 +12,13 @@ from typing import Any, Literal, overload
 
 import torch
 
-from .layer_context import OffloadContext
-from .log import logger, warn
-from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
-from .synchronizer import (
+from .engine.layer_context import OffloadContext
+from .engine.synchronizer import (
     DefaultOffloadSynchronizer,
     ManualOffloadSynchronizer,
 )
+from .hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
+from .log import logger, warn
 
 __all__ = ["get_cpu_offload_context"]
 

@@ -16,15 +16,15 @@ from typing import cast
 
 import torch
 
-from .backend import DeviceBackend
 from .cli import Parser, at_least, device, int_list
 from .context import get_cpu_offload_context
-from .device import get_backend
-from .layer_context import OffloadContext
+from .device.backend import DeviceBackend
+from .device.runtime import get_backend
+from .engine.layer_context import OffloadContext
+from .hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .models import DTYPES
 from .models.gpt import GPT, Block, GPTConfig
 from .plan import DeviceProfile, measure_layer, plan_offload
-from .selection import DEFAULT_MIN_OFFLOAD_NUMEL
 
 __all__ = ["RunResult", "main", "run"]
 

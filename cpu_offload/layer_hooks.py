@@ -12,23 +12,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .autograd_hooks import checkpoint_forward_active, forward_inside_backward
-from .checkpointing import checkpoint_forward
 from .context import get_cpu_offload_context
+from .engine.layer_context import OffloadContext
+from .engine.schedule import max_offloaded, resolve_count
 from .errors import CpuOffloadError
-from .handle_summary import found_layers, schedule_of
-from .layer_context import OffloadContext
-from .layer_discovery import locate_layers, primary_tensor
+from .hooks.autograd_hooks import checkpoint_forward_active, forward_inside_backward
+from .hooks.marking import mark_not_offload
+from .hooks.module_hooks import ModuleHook, call_running
 from .log import logger, warn
-from .marking import mark_not_offload
-from .module_choices import ModuleChoices, resolve_modules
-from .module_hooks import ModuleHook, call_running
-from .policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
-from .schedule import max_offloaded, resolve_count
-from .step_report import StepReport
+from .policy.checkpointing import checkpoint_forward
+from .policy.handle_summary import found_layers, schedule_of
+from .policy.layer_discovery import locate_layers, primary_tensor
+from .policy.module_choices import ModuleChoices, resolve_modules
+from .policy.policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
+from .report.step_report import StepReport
 
 if TYPE_CHECKING:
-    from .auto_policy import AutoPolicy
+    from .plan.auto_policy import AutoPolicy
     from .plan.policy_plan import PolicyPlan
 
 __all__ = ["OffloadLayersHandle", "offload_layers"]
@@ -52,7 +52,7 @@ class OffloadLayersHandle:
             (nothing is offloaded, nothing checkpointed); a forward pass must not span
             a change.
         forwards_seen: the layer forwards the hooks have seen while enabled.
-        auto: with ``memory_budget=``, the :class:`~cpu_offload.auto_policy.AutoPolicy`
+        auto: with ``memory_budget=``, the :class:`~cpu_offload.plan.auto_policy.AutoPolicy`
             that measures, chooses and watches the policy (else None).
         found: the layers and where (``"4 LlamaDecoderLayer at model.layers"``).
         policy, k: each layer's choice, and the ``k`` it came from (None: a policy);
@@ -288,7 +288,7 @@ def offload_layers(
     chosen: list[str] = []
     count, auto = 0, None
     if memory_budget is not None:
-        from .auto_policy import modules_budget_context  # the planner, when it is asked for
+        from .plan.auto_policy import modules_budget_context  # the planner, when it is asked for
 
         context, auto = modules_budget_context(model, layers, memory_budget, **options)
         result: tuple[Any, ...] = (context, context.sync_fn)

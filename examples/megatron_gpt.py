@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from cpu_offload.device import available_device_type
+from cpu_offload.device.runtime import available_device_type
 from cpu_offload.integrations import megatron as megatron_offload
 
 LAYERS, OFFLOADED, HIDDEN, HEADS, SEQ, BATCH, VOCAB = 4, 2, 64, 4, 32, 2, 128

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.device import get_backend
+from cpu_offload.device.runtime import get_backend
 from cpu_offload.models.llama import LlamaConfig, LlamaLayer
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from cpu_offload import offload_layers
-from cpu_offload.device import distributed_setup
+from cpu_offload.device.runtime import distributed_setup
 from cpu_offload.models.llama import LlamaConfig, LlamaLayer
 
 CONFIG = LlamaConfig(hidden=64, heads=4, kv_heads=2, ffn=128, layers=0, vocab=128)

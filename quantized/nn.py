@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_offload.device import supports_fp8_matmul
+from cpu_offload.device.runtime import supports_fp8_matmul
 
 from .float8 import Float8Quantizer, Float8Tensor
 from .tensor import QuantizedTensor

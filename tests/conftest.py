@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from cpu_offload.device import available_device_type
+from cpu_offload.device.runtime import available_device_type
 from cpu_offload.testing import SimulatedBackend, strict_runtime, strict_streams
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from cpu_offload.layer_state import OffloadableLayerState
-from cpu_offload.selection import KEPT_BY_MODULES, PARAMETER, kept_because
-from cpu_offload.step_report import REASONS
+from cpu_offload.engine.layer_state import OffloadableLayerState
+from cpu_offload.hooks.selection import KEPT_BY_MODULES, PARAMETER, kept_because
+from cpu_offload.report.step_report import REASONS
 
 
 def reason_of(tensor: torch.Tensor, device: torch.device, numel: int, nbytes: int) -> str | None:

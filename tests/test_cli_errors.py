@@ -52,7 +52,7 @@ def run(module: str, args: list[str]) -> subprocess.CompletedProcess:
 )
 def test_bad_input_is_one_line_and_exit_2(module, args, message):
     if module == "cpu_offload.bench" and args[0] == "--device":
-        from cpu_offload.device import available_device_type
+        from cpu_offload.device.runtime import available_device_type
 
         if available_device_type() == "cuda":
             pytest.skip("this machine has a CUDA device")

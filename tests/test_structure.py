@@ -100,7 +100,7 @@ def test_only_device_py_calls_a_device_runtime():
     runtimes = {"cuda", "npu", "xpu", "accelerator"}
     callers = set()
     for name, path in MODULES.items():
-        if name == "cpu_offload.device":
+        if name == "cpu_offload.device.runtime":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (

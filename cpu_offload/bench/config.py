@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..cli import Parser, at_least, device, int_list, output_file, plot_file, positive_float_list
-from ..device_profiles import PROFILES, get_profile
+from ..device.profiles import PROFILES, get_profile
+from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from ..models import DTYPES
-from ..presets import MODEL_PRESETS
-from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL
+from ..models.presets import MODEL_PRESETS
 
 __all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
 

@@ -21,9 +21,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..backend import DeviceBackend
 from ..context import get_cpu_offload_context
-from ..layer_context import OffloadContext
+from ..device.backend import DeviceBackend
+from ..engine.layer_context import OffloadContext
 from .counting import Collector, ModeCount
 from .modes import save_on_cpu
 

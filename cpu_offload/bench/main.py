@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..device import available_device_type, device_name, get_backend
+from ..device.runtime import available_device_type, device_name, get_backend
 from ..models.llama import LlamaConfig, LlamaLayer
 from .config import DTYPES, BenchConfig, parse_args
 from .counting import (
@@ -254,7 +254,7 @@ def _main_hooks(config: BenchConfig) -> int:
 
 def _main_simulate(config: BenchConfig) -> int:
     """``--simulate PROFILE``: see :mod:`cpu_offload.bench.simulate`."""
-    from ..device_profiles import get_profile
+    from ..device.profiles import get_profile
     from ..testing.trace import write_trace
     from .simulate import SimulatedRow, run_simulation
     from .simulate_report import print_simulation, write_simulation_json, write_simulation_plot

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..backend import DeviceBackend
+from ..device.backend import DeviceBackend
 from .modes import Mode
 
 __all__ = ["ModeResult", "measure_ceiling", "measure_modes"]

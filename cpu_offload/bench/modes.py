@@ -12,10 +12,10 @@ from typing import Any, cast
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..backend import DeviceBackend
 from ..context import get_cpu_offload_context
-from ..copy_timer import CopyTimer
-from ..layer_context import OffloadContext
+from ..device.backend import DeviceBackend
+from ..engine.layer_context import OffloadContext
+from ..report.copy_timer import CopyTimer
 
 __all__ = ["Mode", "make_mode", "save_on_cpu"]
 

@@ -35,7 +35,7 @@ from ..layer_hooks import offload_layers
 from ..plan.census import LayerProfile
 from ..plan.planner import plan_offload
 from ..plan.policy_search import choose_policy
-from ..policy import policy_runs
+from ..policy.policy import policy_runs
 from ..testing import TimedReport, TimedRuntime, timed_runtime
 from ..testing.modeled_cuda import modeled_cuda
 from .config import BenchConfig

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..device_profiles import DeviceProfile
+from ..device.profiles import DeviceProfile
 from .config import BenchConfig
 from .peers import PeerRow, run_peers
 

@@ -32,7 +32,7 @@ from ..plan.census import LayerProfile, measure_layer
 from ..plan.planner import plan_offload
 from ..plan.policy_search import choose_policy
 from ..plan.schedule_model import PlanRow
-from ..policy import policy_runs
+from ..policy.policy import policy_runs
 from ..testing import TimedReport, timed_runtime
 from .config import BenchConfig
 

@@ -7,7 +7,7 @@ import json
 import textwrap
 from typing import Any
 
-from ..device_profiles import DeviceProfile
+from ..device.profiles import DeviceProfile
 from .simulate import SimulatedRow, Simulation
 
 __all__ = [

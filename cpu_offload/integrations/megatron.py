@@ -57,7 +57,7 @@ def get_cpu_offload_context(
     runs its layers itself, so they are offloaded or kept, never recomputed here.
     """
     if memory_budget is not None and enabled and activation_offloading:
-        from ..auto_policy import budget_context  # the planner, when it is asked for
+        from ..plan.auto_policy import budget_context  # the planner, when it is asked for
 
         context, _ = budget_context(
             model_layers,

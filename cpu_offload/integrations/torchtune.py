@@ -46,10 +46,10 @@ from typing import Any
 from torch import nn
 
 from ..chunked import ChunkedOffload
-from ..layer_discovery import find_layers
+from ..hooks.marking import mark_not_offload
 from ..layer_hooks import OffloadLayersHandle, offload_layers
-from ..marking import mark_not_offload
-from ..step_report import StepReport
+from ..policy.layer_discovery import find_layers
+from ..report.step_report import StepReport
 
 __all__ = ["OffloadActivations", "OffloadLayersContext", "get_act_offloading_ctx_manager"]
 
@@ -186,7 +186,7 @@ def get_act_offloading_ctx_manager(
 
     Args:
         model: a torchtune ``TransformerDecoder`` (or any model
-            :func:`~cpu_offload.layer_discovery.find_layers` knows).
+            :func:`~cpu_offload.policy.layer_discovery.find_layers` knows).
         enable_activation_offloading: False returns a ``contextlib.nullcontext``.
         num_offloaded_layers: ``k`` layers, or a fraction of them; by default every layer
             but the last (whose activations backward needs first), the nearest to

@@ -21,8 +21,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..layer_hooks import OffloadLayersHandle, offload_layers
-from ..stats import OffloadStats
-from ..step_report import StepReport
+from ..report.stats import OffloadStats
+from ..report.step_report import StepReport
 
 __all__ = ["OffloadCallback"]
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..marking import start_offload
+from ..hooks.marking import start_offload
 
 __all__ = ["GPT", "Block", "GPTConfig"]
 

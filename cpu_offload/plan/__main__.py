@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..cli import Parser, at_least, int_in, output_file, plot_file, positive_float
+from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES
 from ..models import DTYPES
-from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
-from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES
+from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
 from .census import ATTENTIONS, LayerProfile, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
 from .module_search import ModuleSearch

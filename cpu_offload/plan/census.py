@@ -3,8 +3,8 @@
 :func:`measure_layer` builds a layer with ``torch.device("meta")`` as the default device,
 runs its forward and backward on meta inputs (nothing is allocated), records every
 tensor autograd saves through saved-tensor hooks, and classifies each with the
-offloader's own rules (:func:`cpu_offload.selection.kept_because`, the view-to-base and
-deduplication of :class:`cpu_offload.tensor_group.TensorGroupProcessor`), so that the bytes it
+offloader's own rules (:func:`cpu_offload.hooks.selection.kept_because`, the view-to-base and
+deduplication of :class:`cpu_offload.hooks.tensor_group.TensorGroupProcessor`), so that the bytes it
 reports as offloaded are the bytes a real run's ``stats.bytes_offloaded`` counts.
 """
 
@@ -20,18 +20,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..device_kernels import ATTENTIONS, DeviceKernels
-from ..kernel_costs import (
+from ..device.kernel_costs import (
     ATTENTION_FLOP_FORMULAS,
     attention_backward_flops,
     attention_flops,
     kernel_cost,
 )
-from ..layer_discovery import primary_tensor
-from ..module_choices import resolve_modules
-from ..policy import checkpoint_hazards
-from ..selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES, PARAMETER, kept_because
-from ..tensor_group import TensorGroup, TensorGroupProcessor
+from ..device.kernels import ATTENTIONS, DeviceKernels
+from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES, PARAMETER, kept_because
+from ..hooks.tensor_group import TensorGroup, TensorGroupProcessor
+from ..policy.layer_discovery import primary_tensor
+from ..policy.module_choices import resolve_modules
+from ..policy.policy import checkpoint_hazards
 from .module_census import Where, attention_site, saved_by
 
 __all__ = ["ATTENTIONS", "LayerProfile", "measure_layer"]
@@ -62,7 +62,7 @@ class LayerProfile:
         input_offloaded_bytes, input_tensors_offloaded: what the offloader copies of
             those when the layer is checkpointed and offloaded.
         checkpoint_hazards: why recomputing the layer would change training
-            (:func:`cpu_offload.policy.checkpoint_hazards`); the planner does not
+            (:func:`cpu_offload.policy.policy.checkpoint_hazards`); the planner does not
             checkpoint a layer that has any.
         following: what each layer after the first of a stack saves, when it differs
             from this profile (None: the same).  Their input is the previous layer's

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layer_discovery import find_layers
 from ..models import DTYPES
 from ..models.llama import LlamaConfig, LlamaLayer
 from ..models.moe import MoeConfig, MoeLayer
-from ..presets import MODEL_PRESETS, MOE_PRESETS
+from ..models.presets import MODEL_PRESETS, MOE_PRESETS
+from ..policy.layer_discovery import find_layers
 from .hf_llama import DecoderLayer, check_sizes, layer_inputs, llama_shape
 
 __all__ = ["GptLayer", "LayerSpec", "gpt_layer", "hf_layer", "preset_layer"]

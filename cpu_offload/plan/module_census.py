@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..device_profiles import DeviceProfile
-from ..module_choices import KEEP, choice_of
+from ..device.profiles import DeviceProfile
+from ..policy.module_choices import KEEP, choice_of
 
 __all__ = [
     "PartCost",

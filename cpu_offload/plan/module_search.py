@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..cli import Parser, positive_float
-from ..module_choices import KEEP, MEGATRON_MODULES, OFFLOAD, REST, names_in
+from ..policy.module_choices import KEEP, MEGATRON_MODULES, OFFLOAD, REST, names_in
 from .census import LayerProfile, measure_layer
 from .layers import preset_layer
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan, PolicySearch

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..memory_budget import size
-from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, describe_policy, policy_runs
+from ..policy.memory_budget import size
+from ..policy.policy import (
+    CHECKPOINT,
+    CHECKPOINT_OFFLOAD,
+    KEEP,
+    OFFLOAD,
+    describe_policy,
+    policy_runs,
+)
 from .schedule_model import LayerCosts, PlanRow
 
 __all__ = ["PolicyPlan", "size"]

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..memory_budget import size
-from ..policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
-from ..schedule import max_offloaded, release_point, reload_point
+from ..engine.schedule import max_offloaded, release_point, reload_point
+from ..policy.memory_budget import size
+from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
 from .census import LayerProfile
 from .local_search import improve, order
 from .policy_plan import PolicyPlan
@@ -247,7 +247,7 @@ class PolicySearch:
             costs: per layer, as :meth:`LayerCosts.of` or a measured step gives them.
             d2h_bytes_per_s, h2d_bytes_per_s: the link.
             hazards: per layer, why recomputing it changes training
-                (:func:`cpu_offload.policy.checkpoint_hazards`): a layer with any is
+                (:func:`cpu_offload.policy.policy.checkpoint_hazards`): a layer with any is
                 never checkpointed.
             modules: per layer, which module it is (equal numbers: one module at several
                 positions, checkpointed at all of them or at none).

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..policy import CHECKPOINTED, KEEP, OFFLOAD, OFFLOADED
-from ..schedule import schedule_points
+from ..engine.schedule import schedule_points
+from ..policy.policy import CHECKPOINTED, KEEP, OFFLOAD, OFFLOADED
 from .census import LayerProfile
 from .profiles import DeviceProfile
 
@@ -165,7 +165,7 @@ def simulate_policy(
     *,
     log: bool = True,
 ) -> PlanRow:
-    """Run the default schedule with a per-layer policy (see :mod:`cpu_offload.policy`):
+    """Run the default schedule with a per-layer policy (see :mod:`cpu_offload.policy.policy`):
     the offloaded layers (``offload``, ``checkpoint+offload``) are released and reloaded
     as :class:`~cpu_offload.DefaultOffloadSynchronizer` schedules its ``offloaded_layers``;
     a checkpointed layer keeps its inputs saved and runs its forward again in backward,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..device_profiles import DeviceProfile
+from ..device.profiles import DeviceProfile
 
 __all__ = ["ENGINES", "StreamClock", "Timeline"]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernel_costs import storage_id
+from ..device.kernel_costs import storage_id
 from .clocks import StreamClock, Timeline
 
 __all__ = ["Block", "DeviceMemory", "MemoryMark"]

@@ -1,7 +1,7 @@
 """A simulated ``torch.cuda`` / ``torch.npu`` for running StreamBackend without a device.
 
 NOTE [Simulated runtime]
-    :class:`~cpu_offload.device.StreamBackend` is the code that runs on GPUs and
+    :class:`~cpu_offload.device.runtime.StreamBackend` is the code that runs on GPUs and
     NPUs.  :class:`SimulatedRuntime` gives it the slice of the runtime module it
     calls (``Stream``, ``Event``, ``current_stream``, ``stream``, ``synchronize``,
     ``current_device``, memory statistics, the sync debug mode), built on the strict
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..backend import HostTimingEvent
-from ..device import StreamBackend, override_host_backend
+from ..device.backend import HostTimingEvent
+from ..device.runtime import StreamBackend, override_host_backend
 from .simulator import ComputeWatch, SimulatedBackend, SimulatedEvent, SimulatedStream
 
 __all__ = ["FLAVOURS", "SimulatedRuntime", "SyncDebugMode", "strict_runtime"]

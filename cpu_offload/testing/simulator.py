@@ -46,10 +46,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..backend import DeviceBackend, Event, Stream
-from ..device import override_host_backend
+from ..device.backend import DeviceBackend, Event, Stream
+from ..device.runtime import override_host_backend
 from ..errors import CpuOffloadError
-from ..tensor_group import is_dense
+from ..hooks.tensor_group import is_dense
 
 __all__ = [
     "ComputeWatch",

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..device import StreamBackend, override_host_backend
-from ..device_kernels import DeviceKernels
-from ..device_profiles import DeviceProfile, get_profile
-from ..kernel_costs import ALIASES, kernel_cost, memory_bytes, storage_id, tensors_in
+from ..device.kernel_costs import ALIASES, kernel_cost, memory_bytes, storage_id, tensors_in
+from ..device.kernels import DeviceKernels
+from ..device.profiles import DeviceProfile, get_profile
+from ..device.runtime import StreamBackend, override_host_backend
 from .clocks import Timeline
 from .device_memory import DeviceMemory, MemoryMark
 from .runtime import FLAVOURS, SyncDebugMode

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..device_profiles import DeviceProfile
+from ..device.profiles import DeviceProfile
 from .clocks import StreamClock
 from .device_memory import MemoryMark
 

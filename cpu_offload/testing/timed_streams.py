@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..backend import HostTimingEvent
+from ..device.backend import HostTimingEvent
 from .clocks import StreamClock, Timeline
 
 __all__ = ["Runtime", "TimedEvent", "TimedStream"]

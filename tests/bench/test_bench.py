@@ -12,8 +12,8 @@ import torch
 from cpu_offload.bench import main
 from cpu_offload.bench.config import parse_args
 from cpu_offload.bench.modes import make_mode
-from cpu_offload.copy_timer import CopyTimer
-from cpu_offload.device import get_backend
+from cpu_offload.device.runtime import get_backend
+from cpu_offload.report.copy_timer import CopyTimer
 from cpu_offload.testing import strict_streams
 
 SMALL = [

@@ -12,7 +12,7 @@ import pytest
 from cpu_offload.bench import main
 from cpu_offload.bench.modes import make_mode
 from cpu_offload.bench.peers import PEERS
-from cpu_offload.device import HostBackend
+from cpu_offload.device.runtime import HostBackend
 
 MODES = ["none", "checkpoint", "save_on_cpu", "hf_offload", "torchtune", "trl"]
 FIELDS = {

@@ -13,7 +13,7 @@ from hosts import require
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import offload_layers
-from cpu_offload.layer_discovery import find_layers
+from cpu_offload.policy.layer_discovery import find_layers
 
 transformers = require("transformers")
 

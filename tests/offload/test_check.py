@@ -7,7 +7,7 @@ import json
 import torch
 
 from cpu_offload import OffloadableLayerState, check
-from cpu_offload.device import get_backend
+from cpu_offload.device.runtime import get_backend
 from cpu_offload.testing import strict_runtime
 
 

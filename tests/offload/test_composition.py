@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import get_cpu_offload_context, offload_layers
-from cpu_offload.device import available_device_type
+from cpu_offload.device.runtime import available_device_type
 
 L, K = 4, 2
 

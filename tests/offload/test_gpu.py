@@ -11,7 +11,7 @@ import torch
 from helpers import MLPBlock, forward
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.device import available_device_type, get_backend
+from cpu_offload.device.runtime import available_device_type, get_backend
 
 pytestmark = pytest.mark.gpu
 DEVICE = available_device_type()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import assert_bit_identical, gradients, make_layers
 
-from cpu_offload.device import StreamBackend, get_backend
+from cpu_offload.device.runtime import StreamBackend, get_backend
 
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 

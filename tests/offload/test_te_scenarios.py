@@ -17,7 +17,7 @@ from cpu_offload import (
     OffloadableLayerState,
     start_offload,
 )
-from cpu_offload.device import get_backend
+from cpu_offload.device.runtime import get_backend
 
 pytestmark = pytest.mark.usefixtures("streams")  # host, strict_streams(), strict_runtime()
 

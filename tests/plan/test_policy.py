@@ -17,7 +17,6 @@ from helpers import small_llama_config, tiny_preset_run
 from hosts import require
 
 from cpu_offload import offload_layers
-from cpu_offload.checkpointing import CheckpointedForward
 from cpu_offload.plan import (
     DeviceProfile,
     choose_policy,
@@ -29,7 +28,8 @@ from cpu_offload.plan.__main__ import main
 from cpu_offload.plan.layers import hf_layer, preset_layer
 from cpu_offload.plan.policy_search import PolicySearch, policy_family, simulate_many
 from cpu_offload.plan.schedule_model import LayerCosts
-from cpu_offload.policy import POLICY_CHOICES
+from cpu_offload.policy.checkpointing import CheckpointedForward
+from cpu_offload.policy.policy import POLICY_CHOICES
 
 GIB = 2**30
 UNIT = 100

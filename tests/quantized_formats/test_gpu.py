@@ -7,7 +7,7 @@ import torch
 from helpers import forward
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.device import available_device_type, supports_fp8_matmul
+from cpu_offload.device.runtime import available_device_type, supports_fp8_matmul
 from quantized import Float8Quantizer, MXFP8Quantizer, QuantizedLinear
 
 pytestmark = pytest.mark.gpu

@@ -80,9 +80,9 @@ def test_data_components_offloaded_scales_stay(name):
 
 
 def test_rebuilt_tensor_is_bit_identical():
-    from cpu_offload.device import get_backend
-    from cpu_offload.handles import unpack_saved
-    from cpu_offload.layer_state import OffloadableLayerState
+    from cpu_offload.device.runtime import get_backend
+    from cpu_offload.engine.layer_state import OffloadableLayerState
+    from cpu_offload.hooks.handles import unpack_saved
 
     backend = get_backend("cpu")
     state = OffloadableLayerState(backend.new_stream(), backend=backend, min_offload_numel=0)

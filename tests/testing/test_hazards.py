@@ -7,7 +7,7 @@ import torch
 from helpers import forward, make_input, make_layers, without_event_waits
 
 from cpu_offload import OffloadableLayerState, get_cpu_offload_context
-from cpu_offload.host_buffers import HostBufferPool
+from cpu_offload.engine.host_buffers import HostBufferPool
 from cpu_offload.testing import StreamHazardError, strict_streams
 
 WIDTH = 32

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_offload.device_profiles import DeviceProfile
+from cpu_offload.device.profiles import DeviceProfile
 from cpu_offload.testing import timed_runtime
 from cpu_offload.testing.modeled_cuda import modeled_cuda
 

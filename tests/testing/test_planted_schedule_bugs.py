@@ -14,11 +14,11 @@ import torch
 from helpers import MLPBlock
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload import synchronizer as synchronizer_module
-from cpu_offload.device_profiles import DeviceProfile
-from cpu_offload.engine import OffloadEngine
-from cpu_offload.layer_data import LayerData
-from cpu_offload.synchronizer import DefaultOffloadSynchronizer
+from cpu_offload.device.profiles import DeviceProfile
+from cpu_offload.engine import synchronizer as synchronizer_module
+from cpu_offload.engine.layer_data import LayerData
+from cpu_offload.engine.offload_engine import OffloadEngine
+from cpu_offload.engine.synchronizer import DefaultOffloadSynchronizer
 from cpu_offload.testing import TimedReport, timed_runtime
 
 WIDTH, ROWS = 128, 512

@@ -7,8 +7,8 @@ import torch
 from helpers import forward, make_input, make_layers, without_event_waits
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.copy_timer import CopyTimer
-from cpu_offload.device import StreamBackend, get_backend
+from cpu_offload.device.runtime import StreamBackend, get_backend
+from cpu_offload.report.copy_timer import CopyTimer
 from cpu_offload.testing import SimulatedRuntime, StreamHazardError, strict_runtime
 
 

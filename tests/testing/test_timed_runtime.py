@@ -7,8 +7,8 @@ import torch
 from helpers import forward, make_input, make_layers, without_event_waits
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.device import StreamBackend, get_backend
-from cpu_offload.device_profiles import DeviceProfile
+from cpu_offload.device.profiles import DeviceProfile
+from cpu_offload.device.runtime import StreamBackend, get_backend
 from cpu_offload.testing import StreamHazardError, timed_runtime
 from cpu_offload.testing.trace import trace_events
 

@@ -1,0 +1,312 @@
+"""Host buffers that offloaded tensors are copied into.
+
+NOTE [Host memory pool]
+    Pinned host memory is the scarcest memory of a training node and allocating it
+    is slow (``cudaHostAlloc`` takes milliseconds and synchronises), so buffers are
+    reused.  Shapes change from step to step (packed or variable-length batches),
+    so the pool does not cache by layout: it holds byte blocks in power-of-two size
+    classes and hands out views of them with the requested shape, strides and dtype.
+
+    * A request takes the smallest free block that is large enough, of any class
+      (the largest tensors of a layer choose first), so the blocks of the largest
+      step serve every smaller one and allocations stop once the largest shapes
+      have been seen.
+    * The pool holds at most ``2 x`` the largest number of bytes that were in use
+      at once (plus one block): before a new block would exceed that, free blocks
+      are freed, largest first.  Power-of-two classes waste less than half of a
+      block, so the blocks in use always fit under the bound.
+    * Blocks come back when the layer's data is dropped, after the compute stream
+      has waited for the layer's copies; every copy into or out of a pool runs on
+      its synchronizer's one offload stream, so a block's next copy is ordered after
+      its previous one.
+
+    With ``retain=True`` each layer keeps its own buffers with fixed addresses
+    instead (CUDA graph capture needs them); their layouts must stay the same.
+
+    With ``max_bytes`` (``max_host_bytes``: eight ranks share one host's pinned
+    memory) the pool never reserves more: free blocks are freed first, and a tensor
+    that still does not fit gets no buffer and stays on the device (counted in the
+    statistics, with one warning).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from typing import cast
+
+import torch
+
+from ..device.backend import DeviceBackend
+from ..errors import CpuOffloadError
+from ..log import warn
+from ..report.stats import OffloadStats
+
+__all__ = ["HostBufferPool"]
+
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+
+#: The smallest block: small tensors share this class instead of making many classes.
+MIN_BLOCK_BYTES = 4096
+
+
+def _layout(tensor: torch.Tensor) -> Layout:
+    return tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of a dense tensor's elements (its strides may permute them)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def size_class(nbytes: int) -> int:
+    """The block size that serves ``nbytes``: a power of two, at least ``MIN_BLOCK_BYTES``."""
+    return max(MIN_BLOCK_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+class _Block:
+    """A byte block of the pool and the view it last served (reused for the same layout)."""
+
+    __slots__ = ("data", "size", "view", "layout")
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.size = data.numel()
+        self.view: torch.Tensor | None = None
+        self.layout: Layout | None = None  # the view's, read once
+
+    def view_as(self, like: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` bytes seen with the shape, strides and dtype of ``like``."""
+        layout = (like.shape, like.stride(), like.dtype)
+        if layout == self.layout:
+            return cast(torch.Tensor, self.view)
+        view = self.data[:nbytes].view(like.dtype).as_strided(like.shape, like.stride())
+        self.view, self.layout = view, layout
+        return view
+
+
+class HostBufferPool:
+    """Hands out host buffers to layers and takes them back when their data goes.
+
+    See NOTE [Host memory pool].  :meth:`stats` reports the footprint;
+    :meth:`empty_cache` frees the blocks no layer is using.
+
+    Args:
+        backend: allocates the blocks (pinned where the device supports it).
+        retain: keep each layer's buffers for the same layer of later passes.
+        max_bytes: the most the pool may reserve (None: no cap).
+        stats: where tensors refused by the cap are counted.
+    """
+
+    def __init__(
+        self,
+        backend: DeviceBackend,
+        retain: bool,
+        max_bytes: int | None = None,
+        stats: OffloadStats | None = None,
+    ) -> None:
+        self._backend = backend
+        self.retain = retain
+        self.max_bytes = max_bytes
+        self._stats = stats if stats is not None else OffloadStats()
+        self._warned_cap = False
+        # Free blocks by size class, and the sorted classes that have one: a power of two
+        # per class, so lending and taking back cost O(classes), not O(blocks).
+        self._free_sizes: list[int] = []
+        self._free: defaultdict[int, list[_Block]] = defaultdict(list)
+        self._lent: dict[int, tuple[_Block, int]] = {}  # id(view) -> its block, bytes asked
+        self._retained: defaultdict[int, list[list[torch.Tensor | None]]] = defaultdict(list)
+        self._reserved = 0
+        self._in_use = 0
+        self._requested = 0  # bytes the views in use ask for
+        self._peak_requested = 0
+        self._num_alloc = 0
+        self._num_free = 0
+        # Passes of several threads share the pool.  Re-entrant: a garbage collection
+        # inside ``acquire`` may run a layer's finalizer, which gives its buffers back.
+        self._lock = threading.RLock()
+
+    # -------------------------------------------------------------- lending
+
+    def acquire(
+        self, layer_index: int, tensors: list[torch.Tensor], sizes: list[int] | None = None
+    ) -> list[torch.Tensor | None]:
+        """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``;
+        ``None`` for a tensor that does not fit under ``max_bytes``.  ``sizes``: the
+        tensors' bytes, where the caller has them."""
+        with self._lock:
+            return self._acquire(layer_index, tensors, sizes)
+
+    def _acquire(
+        self, layer_index: int, tensors: list[torch.Tensor], sizes: list[int] | None
+    ) -> list[torch.Tensor | None]:
+        if self.retain and self._retained[layer_index]:
+            # Checked before it is taken: after the error the set is still the layer's.
+            self._check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
+            return self._retained[layer_index].pop()
+        if sizes is None:
+            sizes = [_nbytes(t) for t in tensors]
+        self._requested += sum(sizes)
+        self._peak_requested = max(self._peak_requested, self._requested)
+        buffers: list[torch.Tensor | None] = [None] * len(tensors)
+        # Largest first: the largest tensors get the blocks that fit them best.
+        order = sorted(range(len(tensors)), key=sizes.__getitem__, reverse=True)
+        for position in order:
+            nbytes = sizes[position]
+            block = self._take_block(nbytes)
+            if block is None:  # over max_bytes: this tensor stays on the device
+                self._requested -= nbytes
+                self._refuse(nbytes)
+                continue
+            view = block.view_as(tensors[position], nbytes)
+            self._lent[id(view)] = (block, nbytes)
+            buffers[position] = view
+        return buffers
+
+    def release(self, layer_index: int, buffers: list[torch.Tensor | None]) -> None:
+        """Give back the buffers of ``layer_index`` once their data is no longer needed."""
+        if not buffers:
+            return
+        with self._lock:
+            self._release(layer_index, buffers)
+
+    def _release(self, layer_index: int, buffers: list[torch.Tensor | None]) -> None:
+        if self.retain:
+            self._retained[layer_index].append(buffers)  # still lent: fixed addresses
+            return
+        for view in buffers:
+            if view is not None:
+                self._put_free(self._take_back(view))
+
+    def empty_cache(self) -> None:
+        """Free the blocks no layer is using (and the buffers retained for later passes)."""
+        with self._lock:
+            self._empty_cache()
+
+    def _empty_cache(self) -> None:
+        for size in self._free_sizes:
+            for _ in self._free[size]:
+                self._count_freed(size)
+        self._free_sizes.clear()
+        self._free.clear()
+        for sets in self._retained.values():
+            for buffers in sets:
+                for view in buffers:
+                    if view is not None:
+                        self._count_freed(self._take_back(view).size)
+        self._retained.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Host memory of this pool, in bytes and counts.
+
+        ``reserved_bytes``: held by the pool, in use or free; ``in_use_bytes``: in
+        blocks lent to layers; ``requested_bytes``: what the lent buffers ask for;
+        ``peak_requested_bytes``: the most that was asked for at once;
+        ``num_host_alloc`` / ``num_host_free``: blocks allocated and freed so far.
+        """
+        return {
+            "reserved_bytes": self._reserved,
+            "in_use_bytes": self._in_use,
+            "requested_bytes": self._requested,
+            "peak_requested_bytes": self._peak_requested,
+            "num_host_alloc": self._num_alloc,
+            "num_host_free": self._num_free,
+        }
+
+    def usage(self) -> tuple[int, int]:
+        """``(reserved_bytes, in_use_bytes)`` of :meth:`stats`, for nearly nothing."""
+        return self._reserved, self._in_use
+
+    @property
+    def allocations(self) -> int:
+        """Host blocks allocated so far (pool misses)."""
+        return self._num_alloc
+
+    # ------------------------------------------------------------- blocks
+
+    def _take_block(self, nbytes: int) -> _Block | None:
+        at = bisect.bisect_left(self._free_sizes, nbytes)
+        if at < len(self._free_sizes):  # never in retain mode: nothing is ever free there
+            size = self._free_sizes[at]
+            block = self._take_free(size)
+        else:
+            size = size_class(nbytes)
+            if self.max_bytes is not None and size > self.max_bytes:
+                return None  # it can never fit: evicting free blocks would not help
+            # (in retain mode nothing is free to evict)
+            self._evict_for(size, 2 * self._peak_requested)
+            if self.max_bytes is not None:
+                if self._in_use + size > self.max_bytes:
+                    return None  # evicting every free block would not make room
+                self._evict_for(size, self.max_bytes)
+            block = _Block(self._backend.empty_host_bytes(size))
+            self._reserved += size
+            self._num_alloc += 1
+        self._in_use += size
+        return block
+
+    def _evict_for(self, size: int, limit: int) -> None:
+        """Free unused blocks, largest first, until ``size`` more bytes fit ``limit``."""
+        while self._free_sizes and self._reserved + size > limit:
+            largest = self._free_sizes[-1]
+            self._take_free(largest)
+            self._count_freed(largest)
+
+    def _put_free(self, block: _Block) -> None:
+        blocks = self._free[block.size]
+        if not blocks:
+            bisect.insort(self._free_sizes, block.size)
+        blocks.append(block)
+
+    def _take_free(self, size: int) -> _Block:
+        """A free block of class ``size`` (which has one)."""
+        blocks = self._free[size]
+        block = blocks.pop()
+        if not blocks:
+            self._free_sizes.remove(size)
+        return block
+
+    def _refuse(self, nbytes: int) -> None:
+        self._stats.tensors_kept_by_host_cap += 1
+        self._stats.bytes_kept_by_host_cap += nbytes
+        if not self._warned_cap and self.max_bytes is not None:
+            self._warned_cap = True
+            warn(
+                f"cpu_offload: the host buffer pool is at max_host_bytes={self.max_bytes} "
+                f"({self.max_bytes / 2**20:.1f} MiB; {self._reserved / 2**20:.1f} MiB reserved), "
+                "so saved tensors that do not fit stay on the device (counted in "
+                "stats.tensors_kept_by_host_cap; gradients are unchanged). Raise "
+                "max_host_bytes or offload fewer layers to move them. This warning is "
+                "shown once.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _take_back(self, view: torch.Tensor) -> _Block:
+        """The block behind a lent view, no longer counted as in use."""
+        block, nbytes = self._lent.pop(id(view))
+        self._requested -= nbytes
+        self._in_use -= block.size
+        return block
+
+    def _count_freed(self, size: int) -> None:
+        self._reserved -= size
+        self._num_free += 1
+
+    @staticmethod
+    def _check_same_layout(
+        layer_index: int, buffers: list[torch.Tensor | None], tensors: list[torch.Tensor]
+    ) -> None:
+        found = [_layout(t) for t in tensors]
+        expected = [None if b is None else _layout(b) for b in buffers]
+        if len(found) != len(expected) or any(
+            e is not None and e != f for e, f in zip(expected, found)
+        ):
+            raise CpuOffloadError(
+                f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "
+                f"saved tensors with other (shape, stride, dtype) than in the previous iteration: "
+                f"expected {expected}, found {found}. Keep shapes (sequence length, batch "
+                "size) fixed between iterations, or pass retain_pinned_cpu_buffers=False."
+            )

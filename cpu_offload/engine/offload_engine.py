@@ -1,0 +1,202 @@
+"""What the layer states of one offload context share, and the states it makes.
+
+An :class:`OffloadEngine` holds the device backend, the offload stream, the host buffer
+pool, the thresholds that decide which saved tensors move, the statistics and the copy
+timer, and makes the layer states that use them (:meth:`OffloadEngine.new_layer_state`).
+Two kinds of context build on it: the synchronizers (``synchronizer.py``: forward passes
+of numbered layers, on a schedule) and the whole-forward context (``chunked.py``: chunks
+of one forward cut by bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..device.backend import DeviceBackend, Stream
+from ..device.runtime import get_backend
+from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
+from ..report.copy_timer import CopyTimer
+from ..report.stats import OffloadStats
+from ..report.step_record import Measured, StepRecord
+from ..report.step_report import StepRecorder, StepReport, layer_ranges
+from .host_buffers import HostBufferPool
+from .layer_state import OffloadableLayerState
+
+__all__ = ["OffloadEngine", "check_count"]
+
+
+def check_count(name: str, value: object, expected: str) -> None:
+    """``value`` is a count (of bytes, of elements): an int >= 0, not a bool
+    (TypeError, else ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"cpu_offload: {name} must be {expected}, got {value!r}.")
+    if value < 0:
+        raise ValueError(f"cpu_offload: {name} must be {expected}, got {value!r}.")
+
+
+class OffloadEngine:
+    """The resources of one offload context; see the module.
+
+    Args:
+        retain_pinned_cpu_buffers: keep host buffers for the next iteration.
+        offload_stream: stream for all copies; a new one by default.
+        device: device whose tensors are offloaded; the best available by default.
+        min_offload_numel: smaller saved tensors stay on the device.
+        min_offload_bytes: so do saved tensors of fewer bytes.
+        max_host_bytes: the most host memory the buffer pool may hold; a tensor that
+            does not fit stays on the device (``stats.tensors_kept_by_host_cap``).
+
+    Attributes:
+        backend: the device backend.
+        stats: what the context's layer states moved (:class:`OffloadStats`), running totals.
+        recorder: the last completed step, for :meth:`report`.
+        host_buffers: the host buffer pool.
+        copy_timer: set by benchmarks to time the copies.
+    """
+
+    #: layers per forward pass, and which of them a schedule offloads (None: a manual
+    #: controller decides); set by the synchronizers, named in reports
+    model_layers = 0
+    offloaded_layers: list[int] | None = None
+
+    #: what a layer reloaded on demand in its first backward tells the user to do (None:
+    #: such a reload is expected, and silent)
+    reload_advice: str | None = "Call the sync function on every layer's output to prefetch it."
+    #: the class of the layer states it makes
+    layer_state_class: type[OffloadableLayerState] = OffloadableLayerState
+
+    def __init__(
+        self,
+        retain_pinned_cpu_buffers: bool = False,
+        offload_stream: Any = None,
+        *,
+        device: torch.device | str | None = None,
+        min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL,
+        min_offload_bytes: int = 0,
+        max_host_bytes: int | None = None,
+    ) -> None:
+        check_count("min_offload_bytes", min_offload_bytes, "an int >= 0")
+        if max_host_bytes is not None:
+            check_count("max_host_bytes", max_host_bytes, "an int >= 0 (bytes) or None (no cap)")
+        if offload_stream is not None and not isinstance(offload_stream, Stream):
+            raise TypeError(
+                "cpu_offload: offload_stream must be a stream of the device (such as "
+                f"torch.cuda.Stream()), got {type(offload_stream).__name__} {offload_stream!r}. "
+                "Pass None to let the offloader create one."
+            )
+        if (
+            isinstance(min_offload_numel, bool)
+            or not isinstance(min_offload_numel, int)
+            or min_offload_numel < 0
+        ):
+            raise ValueError(
+                f"cpu_offload: min_offload_numel must be an int >= 0, got {min_offload_numel!r}."
+            )
+        self.backend: DeviceBackend = get_backend(device)
+        self._offload_stream = offload_stream  # created at first use (see below)
+        self.stats = OffloadStats()
+        self.recorder = StepRecorder()
+        self.host_buffers = HostBufferPool(
+            self.backend, retain_pinned_cpu_buffers, max_host_bytes, self.stats
+        )
+        self.min_offload_numel = min_offload_numel
+        self.min_offload_bytes = min_offload_bytes
+        self.copy_timer: CopyTimer | None = None
+
+    @property
+    def offload_stream(self) -> Any:
+        """The stream of all copies; created when first needed, so that it lives on
+        the device that is current then (after ``set_device(local_rank)``)."""
+        if self._offload_stream is None:
+            self._offload_stream = self.backend.new_stream()
+        return self._offload_stream
+
+    def new_layer_state(self, index: int, name: str) -> OffloadableLayerState:
+        """A layer state that copies on this engine's stream into its pool, by its
+        thresholds, counted in its statistics."""
+        state = self.layer_state_class(
+            self.offload_stream,
+            layer_index=index,
+            backend=self.backend,
+            host_buffers=self.host_buffers,
+            min_offload_numel=self.min_offload_numel,
+            min_offload_bytes=self.min_offload_bytes,
+            stats=self.stats,
+            name=name,
+            copy_timer=self.copy_timer,
+        )
+        state.reload_advice = self.reload_advice
+        return state
+
+    def host_memory_stats(self) -> dict[str, int]:
+        """Host memory held for offloaded tensors (see :meth:`HostBufferPool.stats`).
+
+        ``reserved_bytes`` (held, in use or cached), ``in_use_bytes``,
+        ``requested_bytes``, ``peak_requested_bytes``, ``num_host_alloc`` and
+        ``num_host_free``.  ``host_buffers.empty_cache()`` frees the cached part.
+        """
+        return self.host_buffers.stats()
+
+    # ------------------------------------------------------------ reports
+
+    def thresholds(self, bytes_name: str = "min_offload_bytes") -> str:
+        """The thresholds that decide which saved tensors move, as reprs say them."""
+        return (
+            f"min_offload_numel={self.min_offload_numel}, {bytes_name}="
+            f"{self.min_offload_bytes}, max_host_bytes={self.host_buffers.max_bytes}"
+        )
+
+    def describe(self) -> str:
+        """The layers, the schedule and the thresholds, as the contexts' reprs say them."""
+        offloaded = self.offloaded_layers
+        if offloaded is None:
+            schedule = "a manual controller offloads"
+        elif offloaded:
+            schedule = f"offload layers {layer_ranges(offloaded)} (k={len(offloaded)})"
+        else:
+            schedule = "offload none (k=0)"
+        return (
+            f"{self.model_layers} layers per forward pass, {schedule}; {self.thresholds()}; "
+            f"device {self.backend.device}"
+        )
+
+    def measure_end_of_forward(self) -> Measured:
+        """Host and device memory now, at the end of a forward pass (for its report)."""
+        return (*self.host_buffers.usage(), self.backend.memory_allocated())
+
+    def end_step(self, record: StepRecord) -> None:
+        """A step has ended (NOTE [What a step is] in step_report.py)."""
+        record.device_peak_bytes = self.backend.max_memory_allocated()
+        self.recorder.publish(record)
+
+    def report(self, policy: Sequence[str] | None = None) -> StepReport:
+        """What the last completed step did (NOTE [What a step is] in step_report.py).
+
+        Per layer: the tensors its forward saved, moved to the host and kept on the
+        device, with why each kept tensor stayed; the host pool's memory and the
+        device's at the end of the forward.  ``print()`` it for a table, ``to_dict()``
+        for loggers.
+
+        Args:
+            policy: what each layer is (``offload_layers``' policy); by default
+                ``offload`` where the schedule offloads, else ``keep`` (``manual``
+                under a manual controller).
+        """
+        layers = self.model_layers
+        policy = self.recorder.last_choices() or policy
+        if policy is None:
+            offloaded = self.offloaded_layers
+            policy = [
+                "manual" if offloaded is None else ("offload" if i in offloaded else "keep")
+                for i in range(layers)
+            ]
+        notes = {
+            i: "the last layer: never offloaded" if i == layers - 1 else "not offloaded"
+            for i, choice in enumerate(policy)
+            if choice in ("keep", "checkpoint", "measured")
+        }
+        checkpointed = [i for i, choice in enumerate(policy) if choice.startswith("checkpoint")]
+        return self.recorder.report(str(self.backend.device), "layer", policy, notes, checkpointed)

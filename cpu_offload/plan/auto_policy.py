@@ -1,0 +1,412 @@
+"""The policy chosen for a memory budget from a measured step, applied, and watched:
+``offload_layers(model, memory_budget=...)`` (and the integrations' ``memory_budget=``).
+
+NOTE [The automatic policy]
+    1. The first forward pass with grad enabled, and its backward, run as the user's
+       program (nothing is offloaded or recomputed; gradients are those of the plain
+       model) and are measured per layer by the offloader's own rules (NOTE [Measuring a
+       step] in measured_step.py): the bytes saved, offloadable and kept (with the
+       reasons), the layer's inputs, and its forward time (thread CPU time on a CPU,
+       timing events on a device).
+    2. When the next pass starts (the first step, optimizer step included, is over),
+       the plan is made: each layer's costs (its measured bytes and forward time, its
+       backward assumed :data:`BACKWARD_PER_FORWARD` times its forward), the copy
+       bandwidth in each direction (measured once with the backend's copies, or given:
+       ``copy_bandwidth=``), the budget (``"auto"`` read now: memory_budget.py), and the
+       search over a policy per layer (``PolicySearch.of_layers``, NOTE [Layers that
+       differ]).  No layer with checkpoint hazards is ever checkpointed.  The plan is
+       applied from this pass on (the synchronizer's schedule, the checkpoint wrappers)
+       and one line is printed.
+    3. On a device that reports memory, each step's peak (the most allocated during the
+       step, less what was allocated when it started) is compared with the predicted
+       peak.  The first time it exceeds it by more than :data:`REPLAN_MARGIN` of the
+       budget, a warning says so and the plan is made again with that excess (what the
+       event model does not count) taken off the budget.
+    4. A larger input: layer 0 is observed in every pass; when it saves more than the
+       plan was made for, a warning says so, the rest of that pass is measured again
+       (the pass itself runs the plan made for the smaller input), and a plan for the
+       larger input applies from the next pass.  A checkpointed layer's activations are
+       not seen then: its measured bytes are scaled by its inputs'.  A smaller input
+       keeps the plan (made for a larger one, it fits).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..bench.measure import measure_ceiling
+from ..engine.layer_context import OffloadContext
+from ..hooks.selection import warn_once_per_call_site
+from ..log import logger
+from ..policy.checkpointing import Checkpointing, checkpoint_forward
+from ..policy.measured_step import MeasuredLayer, rescaled
+from ..policy.memory_budget import (
+    AUTO,
+    REPLAN_MARGIN,
+    auto_budget,
+    free_device_memory,
+    parse_memory_budget,
+    said_budget,
+    size,
+)
+from ..policy.planned_synchronizer import PlannedOffloadSynchronizer
+from ..policy.policy import CHECKPOINTED, OFFLOADED, checkpoint_hazards
+from .policy_plan import PolicyPlan
+from .policy_search import PolicySearch
+from .profiles import DeviceProfile
+from .schedule_model import LayerCosts
+
+__all__ = [
+    "BACKWARD_PER_FORWARD",
+    "AutoPolicy",
+    "budget_context",
+    "modules_budget_context",
+]
+
+#: a layer's backward is taken to run this many times as long as its forward (its matrix
+#: products' FLOPs: the gradients of the inputs and of the weights)
+BACKWARD_PER_FORWARD = 2.0
+#: the copy bandwidth is measured with a copy of the largest layer's bytes, within these
+LINK_SAMPLE_BYTES = (2**20, 64 * 2**20)
+#: why a stack given without its modules is never checkpointed
+NO_MODULES = "no module to checkpoint: the layers run in the host library's own loop"
+#: the options a planned context takes (those of get_cpu_offload_context that remain)
+OPTIONS = (
+    "retain_pinned_cpu_buffers",
+    "device",
+    "min_offload_numel",
+    "min_offload_bytes",
+    "max_host_bytes",
+)
+
+
+def announce(line: str) -> None:
+    """Say what was chosen, in one line (printed, and logged at ``INFO``)."""
+    print(line, flush=True)
+    logger.info("%s", line)
+
+
+def _link(value: object, api: str) -> tuple[float, float] | None:
+    """``copy_bandwidth=`` as (device to host, host to device) bytes per second."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        profile = DeviceProfile.from_json(os.fspath(value), flops_per_s=1.0)  # its link only
+        return profile.d2h, profile.h2d
+    pair = value if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) == 2 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in pair
+    ):
+        return float(pair[0]), float(pair[1])
+    raise ValueError(
+        f"{api}: copy_bandwidth must be bytes per second > 0 (one number, or a pair: device "
+        "to host, host to device) or the JSON file of `python -m cpu_offload.check --json`; "
+        f"got {value!r}."
+    )
+
+
+class AutoPolicy:
+    """Measures a step, chooses a policy per layer for the budget, applies it, and
+    watches it (NOTE [The automatic policy]).
+
+    Attributes:
+        plan: the :class:`~cpu_offload.plan.PolicyPlan` in force; None until the
+            measuring step is over.
+        measured: what each layer saved in the measured step (the plan's source; see
+            :func:`~cpu_offload.policy.measured_step.census_report`); None until its forward
+            ends.
+        link: the copy bandwidth (device to host, host to device), bytes per second.
+        measured_peak: on a device that reports memory, the last step's peak of
+            activations (allocated above what was allocated when it started).
+        synchronizer: the synchronizer it schedules.
+    """
+
+    synchronizer: PlannedOffloadSynchronizer
+
+    def __init__(
+        self,
+        memory_budget: object,
+        num_layers: int,
+        *,
+        api: str,
+        layers: Sequence[nn.Module] | None = None,
+        parameters: Sequence[torch.Tensor] = (),
+        copy_bandwidth: object = None,
+    ) -> None:
+        self.api = api
+        self.memory_budget = parse_memory_budget(memory_budget, api)
+        self.link = _link(copy_bandwidth, api)
+        self.layers = list(layers) if layers is not None else None
+        self.parameters = list(parameters)
+        self.plan: PolicyPlan | None = None
+        self.measured: list[MeasuredLayer] | None = None
+        self.measured_peak: int | None = None
+        self.enabled: Callable[[], bool] = lambda: True
+        self._pending: list[MeasuredLayer] | None = None
+        self._floor: int | None = None
+        self._excess = 0
+        self._replanned = False
+        self._checkpointing: list[Checkpointing] = []
+        self._planned: set[int] = set()  # the modules the plan checkpoints
+        self._warned: set[str] = set()
+        self._hooks: list[RemovableHandle] = []
+        if self.layers is None:
+            self.hazards = [[NO_MODULES]] * num_layers
+            self.modules: list[int] | None = None
+            self.names: list[str] = []
+        else:
+            found: dict[int, list[str]] = {}
+            self.hazards = [found.setdefault(id(m), checkpoint_hazards(m)) for m in self.layers]
+            self.modules = [id(m) for m in self.layers]
+            self.names = [type(m).__name__ for m in self.layers]
+
+    # ------------------------------------------------------------ the layers
+
+    def attach(self, enabled: Callable[[], bool]) -> None:
+        """Watch the layers' inputs (what a checkpoint of each would save), and wrap the
+        layers that may be checkpointed; checkpoint only while ``enabled()``.  Call after
+        the offload hooks are installed (this pre-hook runs after theirs, inside the
+        layer's context).
+
+        A plan is made in layer 0's pre-hook, after the module call has looked up its
+        ``forward``: so every layer without hazards gets its checkpoint wrapper now,
+        passing through until a plan checkpoints it.
+        """
+        self.enabled = enabled
+        layers = self.layers or []
+        unique = {id(m): (position, m) for position, m in reversed(list(enumerate(layers)))}
+        hook = torch.compiler.disable(self._note_inputs)
+        for key, (position, module) in unique.items():
+            self._hooks.append(module.register_forward_pre_hook(hook))
+            if not self.hazards[position]:
+                wanted = functools.partial(self._checkpoints, key)
+                at = [j for j, m in enumerate(layers) if m is module]
+                noted = functools.partial(self.synchronizer.recorder.note_recompute, *at)
+                self._checkpointing.append(
+                    checkpoint_forward(module, wanted, position, self._warned, noted)
+                )
+
+    @property
+    def policy(self) -> list[str] | None:
+        """The plan's policy in force; None while the first step is measured."""
+        return list(self.plan.policy) if self.plan is not None else None
+
+    def _checkpoints(self, module: int) -> bool:
+        return module in self._planned and self.enabled()
+
+    def _note_inputs(self, module: nn.Module, args: Any) -> None:
+        if self.enabled():
+            self.synchronizer.note_inputs([a for a in args if isinstance(a, torch.Tensor)])
+
+    def remove(self) -> None:
+        """Remove the input hooks and the checkpoint wrappers."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for request in self._checkpointing:
+            request.remove()
+        self._checkpointing.clear()
+
+    # ---------------------------------------------------- what the step says
+
+    def step_starts(self) -> None:
+        self._check_peak()
+        if self._pending is not None:
+            self._make_plan()
+        self._start_peak()
+
+    def forward_measured(self, layers: list[MeasuredLayer]) -> None:
+        if self.measured is not None and self.plan is not None:
+            checkpointed = [c in CHECKPOINTED for c in self.plan.policy]
+            layers = rescaled(layers, self.measured, checkpointed)
+        self.measured = self._pending = layers
+
+    def first_layer(self, layer: MeasuredLayer) -> bool:
+        plan, measured = self.plan, self.measured
+        if plan is None or measured is None or self._pending is not None:
+            return False
+        first = measured[0]
+        expected = first.input_bytes if plan.policy[0] in CHECKPOINTED else first.saved_bytes
+        if layer.saved_bytes <= expected:
+            return False
+        warn_once_per_call_site(
+            f"cpu_offload: {self.api}(memory_budget=...): layer 0 saved "
+            f"{size(layer.saved_bytes)}, more than the {size(expected)} the plan was made "
+            "for (a larger input: another sequence length or batch size). This step runs "
+            "that plan and measures the layers again; a plan for the larger input applies "
+            "from the next step."
+        )
+        return True
+
+    # ------------------------------------------------------------- the plan
+
+    def budget(self) -> int:
+        """The budget in bytes now (``"auto"`` read now), less what a measured step
+        showed the plan does not count (once it exceeded its prediction)."""
+        if self.memory_budget == AUTO:
+            total = auto_budget(self.synchronizer.backend, self.parameters)
+        else:
+            total = int(self.memory_budget)
+        return max(0, total - self._excess)
+
+    def _make_plan(self) -> None:
+        records, self._pending = self._pending or [], None
+        timed = [r.forward_s for r in records if r.forward_s is not None]
+        fill = sum(timed) / len(timed) if timed else 0.0
+        costs = []
+        for record in records:
+            forward = record.forward_s if record.forward_s is not None else fill
+            costs.append(
+                LayerCosts(
+                    record.saved_bytes,
+                    record.offloaded_bytes,
+                    record.kept_bytes,
+                    forward,
+                    BACKWARD_PER_FORWARD * forward,
+                    record.input_bytes,
+                    record.input_offloaded_bytes,
+                )
+            )
+        if self.link is None:
+            largest = max([r.offloaded_bytes for r in records] + [0])
+            sample = min(max(largest, LINK_SAMPLE_BYTES[0]), LINK_SAMPLE_BYTES[1])
+            measured = measure_ceiling(self.synchronizer.backend, sample, repeats=3)
+            self.link = measured["d2h"], measured["h2d"]
+        search = PolicySearch.of_layers(
+            costs, *self.link, hazards=self.hazards, modules=self.modules, names=self.names
+        )
+        self._apply(search.choose(self.budget()))
+
+    def _apply(self, plan: PolicyPlan) -> None:
+        self.plan = plan
+        self.synchronizer.schedule([j for j, c in enumerate(plan.policy) if c in OFFLOADED])
+        self._checkpoint(plan.policy)
+        said = said_budget(self.memory_budget)
+        announce(f"cpu_offload: {self.api}(memory_budget={said}): {plan.line()}")
+        if not plan.fits:
+            warn_once_per_call_site(
+                f"cpu_offload: {self.api}: no policy fits the memory budget of "
+                f"{size(plan.memory_budget)}; the closest is applied ({plan.runs()}). "
+                f"{plan.why}"
+            )
+
+    def _checkpoint(self, policy: list[str]) -> None:
+        """Checkpoint the modules ``policy`` checkpoints, and no other (their wrappers
+        are in place: :meth:`attach`)."""
+        layers = self.layers or []
+        self._planned = {id(layers[j]) for j, c in enumerate(policy) if c in CHECKPOINTED}
+
+    # ------------------------------------------------- measured against predicted
+
+    def _start_peak(self) -> None:
+        backend = self.synchronizer.backend
+        allocated = backend.memory_allocated() if self.plan is not None else None
+        self._floor = allocated
+        if allocated is not None:
+            backend.reset_peak_memory_stats()
+
+    def _check_peak(self) -> None:
+        backend = self.synchronizer.backend
+        peak = backend.max_memory_allocated() if self._floor is not None else None
+        if peak is None or self.plan is None or self._floor is None:
+            return
+        self.measured_peak = measured = peak - self._floor
+        predicted = self.plan.predicted.peak_bytes
+        if self._replanned or self._pending is not None:
+            return
+        if measured <= predicted + REPLAN_MARGIN * self.plan.memory_budget:
+            return
+        self._replanned = True
+        self._excess += measured - predicted
+        warn_once_per_call_site(
+            f"cpu_offload: {self.api}(memory_budget=...): the last step's activations "
+            f"peaked at {size(measured)} above the {size(self._floor)} allocated when it "
+            f"started, {size(measured - predicted)} more than predicted (over "
+            f"{REPLAN_MARGIN:.0%} of the budget). That excess, which the plan does not count "
+            "(temporaries, gradients, the allocator's rounding), is taken off the budget and "
+            "the policy is chosen again from this step on. This warning is shown once."
+        )
+        self._pending = self.measured
+
+
+def budget_context(
+    num_layers: int,
+    memory_budget: object,
+    *,
+    api: str,
+    layers: Sequence[nn.Module] | None = None,
+    parameters: Sequence[torch.Tensor] = (),
+    excluded: frozenset[int] = frozenset(),
+    copy_bandwidth: object = None,
+    **options: Any,
+) -> tuple[OffloadContext, AutoPolicy]:
+    """An offload context whose policy is chosen for ``memory_budget`` from its first
+    measured step, and the :class:`AutoPolicy` that chooses it.
+
+    Args:
+        num_layers: layers per forward pass.
+        memory_budget: bytes, a size string (``"20GiB"``), or ``"auto"``.
+        api: the caller's name, for messages.
+        layers: the modules (for checkpointing and their hazards); None: the layers
+            are never checkpointed.
+        parameters: the model's parameters (``"auto"`` counts the gradients to come).
+        excluded: storages of the model's parameters and buffers.
+        copy_bandwidth: bytes per second (one, or a pair), or a check JSON; None:
+            measured once.
+        **options: ``retain_pinned_cpu_buffers``, ``device``, ``min_offload_numel``,
+            ``min_offload_bytes``, ``max_host_bytes``.
+    """
+    for name in options:
+        if name not in OPTIONS:
+            raise TypeError(
+                f"{api}: memory_budget= chooses the layers to offload and schedules them "
+                f"itself; {name}= does not combine with it (options: {', '.join(OPTIONS)}, "
+                "copy_bandwidth)."
+            )
+    auto = AutoPolicy(
+        memory_budget,
+        num_layers,
+        api=api,
+        layers=layers,
+        parameters=parameters,
+        copy_bandwidth=copy_bandwidth,
+    )
+    synchronizer = PlannedOffloadSynchronizer(num_layers, auto, excluded=excluded, **options)
+    auto.synchronizer = synchronizer
+    if auto.memory_budget == AUTO and free_device_memory(synchronizer.backend) is None:
+        raise ValueError(
+            f"{api}: memory_budget='auto' needs the device's free memory, which its runtime "
+            f"({synchronizer.backend.device}) does not report; give a number of bytes or a "
+            "string such as '20GiB'."
+        )
+    return OffloadContext(synchronizer), auto
+
+
+def modules_budget_context(
+    model: nn.Module | Sequence[nn.Module],
+    layers: Sequence[nn.Module],
+    memory_budget: object,
+    **options: Any,
+) -> tuple[OffloadContext, AutoPolicy]:
+    """:func:`budget_context` for ``offload_layers(model, memory_budget=...)``: the
+    layers checkpointable, the model's parameters and buffers set apart."""
+    modules = ([model] if isinstance(model, nn.Module) else []) + list(layers)
+    parameters = list({id(p): p for m in modules for p in m.parameters()}.values())
+    buffers = [b for m in modules for b in m.buffers()]
+    return budget_context(
+        len(layers),
+        memory_budget,
+        api="offload_layers",
+        layers=layers,
+        parameters=parameters,
+        excluded=frozenset(t.untyped_storage()._cdata for t in parameters + buffers),
+        **options,
+    )
