@@ -229,9 +229,10 @@ def test_only_device_py_calls_a_device_runtime():
                 and node.value.id == "torch"
             ):
                 callers.add(name)
-    # the simulated runtime stands in for torch.cuda; the benchmark's peer row and
-    # quantized/'s FP8 capability check go through device/runtime.py's helpers
-    assert callers <= {"cpu_offload.testing.runtime"}, callers
+    # the simulated runtime and the modeled cuda (which unmodified GPU programs call)
+    # stand in for torch.cuda; the benchmark's peer row and quantized/'s FP8 capability
+    # check go through device/runtime.py's helpers
+    assert callers <= {"cpu_offload.testing.runtime", "cpu_offload.testing.modeled_cuda"}, callers
 
 
 def test_importing_the_core_loads_no_package_beside_it():

@@ -18,7 +18,7 @@ GIB = 2**30
 __all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
 
 #: the modes ``--modes`` accepts (``offload`` is one mode per k; ``offload:K`` one k)
-MODES = ("none", "offload", "save_on_cpu", "checkpoint", "torchtune")
+MODES = ("none", "offload", "save_on_cpu", "checkpoint", "torchtune", "trl", "hf_offload")
 
 
 #: how the benchmark runs each model preset (``presets.py``): the k to offload, the
@@ -133,7 +133,8 @@ def _parser() -> Parser:
         "--modes",
         default="none,offload,save_on_cpu,checkpoint,torchtune",
         help="comma-separated: none, offload (one mode per k), offload:K, save_on_cpu, "
-        "checkpoint, torchtune",
+        "checkpoint, torchtune, trl, hf_offload (--simulate: without offload, the peers side "
+        "by side with ours at each peer's memory)",
     )
     parser.add_argument("--device", type=device, default=None, help="cpu, cuda, npu, xpu")
     parser.add_argument("--min-offload-numel", type=at_least(0), default=DEFAULT_MIN_OFFLOAD_NUMEL)

@@ -262,6 +262,10 @@ def _main_simulate(config: BenchConfig) -> int:
 
     profile = get_profile(str(config.simulate))
     command = "python -m cpu_offload.bench " + " ".join(sys.argv[1:])
+    if not any(mode.startswith("offload:") for mode in config.modes):
+        from .peers_main import main_peers
+
+        return main_peers(config, profile, command)
     print(
         f"modeling {profile.name} ({profile.runtime}), preset {config.preset}: {config.layers} "
         f"layers, hidden {config.hidden}, seq {config.seq}, batch {config.batch}, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
@@ -88,28 +89,46 @@ class CheckpointMode(Mode):
 
 
 class TorchtuneMode(Mode):
+    """A peer's ``OffloadActivations`` (torchtune's, or TRL's copy of it), unmodified."""
+
     name = "torchtune"
+    module = "torchtune.training"
+    package = "torchtune"
 
     def __init__(self, backend: DeviceBackend) -> None:
         if backend.device.type != "cuda":
             # OffloadActivations calls torch.cuda even with use_streams=False.
             self.skip_reason = (
-                f"torchtune's OffloadActivations needs CUDA, not {backend.device.type}"
+                f"{self.package}'s OffloadActivations needs CUDA, not {backend.device.type}"
             )
             return
         try:
-            from torchtune.training import OffloadActivations
+            offload = importlib.import_module(self.module).OffloadActivations
         except ImportError as error:
             self.skip_reason = (
-                f"torchtune is not importable ({error}); pip install 'cpu-offload[peers]'"
+                f"{self.package} is not importable ({error}); pip install 'cpu-offload[peers]'"
             )
             return
-        self._factory = lambda: OffloadActivations(use_streams=True)
+        self._factory = lambda: offload(use_streams=True)
 
     @contextlib.contextmanager
     def around_forward(self) -> Iterator[None]:
         with self._factory():
             yield
+
+
+class TrlMode(TorchtuneMode):
+    name = "trl"
+    module = "trl.models.activation_offloading"
+    package = "trl"
+
+
+class HfOffloadMode(Mode):
+    name = "hf_offload"
+    skip_reason = (
+        "hf_offload runs transformers' own Llama stack: on the modeled accelerator only so "
+        "far (--simulate PROFILE)"
+    )
 
 
 def make_mode(name: str, layers: int, backend: DeviceBackend, min_numel: int) -> Mode:
@@ -123,7 +142,11 @@ def make_mode(name: str, layers: int, backend: DeviceBackend, min_numel: int) ->
         return CheckpointMode()
     if name == "torchtune":
         return TorchtuneMode(backend)
+    if name == "trl":
+        return TrlMode(backend)
+    if name == "hf_offload":
+        return HfOffloadMode()
     raise ValueError(
         f"cpu_offload.bench: unknown mode {name!r}; expected none, offload:K, save_on_cpu, "
-        "checkpoint or torchtune."
+        "checkpoint, torchtune, trl or hf_offload."
     )

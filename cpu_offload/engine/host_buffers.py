@@ -347,19 +347,7 @@ class HostBufferPool:
         self._host_full = self._reserved
         self._stats.host_allocations_failed += 1
         if self._stats.host_allocations_failed == 1:
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            warn(
-                f"cpu_offload: the host refused a {size / 2**20:.1f} MiB buffer ({reason}); "
-                f"the pool keeps the {self._reserved / 2**20:.1f} MiB it holds, and saved "
-                "tensors that do not fit stay on the device (counted in "
-                "stats.tensors_kept_by_host_cap; gradients are unchanged). Set "
-                f"max_host_bytes to what this rank may lock (at most {self._reserved} bytes "
-                "here, or 'auto': the node's available memory shared by its ranks), or "
-                "raise the limit that refused (RLIMIT_MEMLOCK, the cgroup's memory.max). "
-                "This warning is shown once.",
-                UserWarning,
-                stacklevel=2,
-            )
+            _warn_host_refused(size, self._reserved, error)
 
     def _take_back(self, view: torch.Tensor) -> _Block:
         """The block behind a lent view, no longer counted as in use."""
@@ -387,3 +375,18 @@ class HostBufferPool:
                 f"expected {expected}, found {found}. Keep shapes (sequence length, batch "
                 "size) fixed between iterations, or pass retain_pinned_cpu_buffers=False."
             )
+
+
+def _warn_host_refused(size: int, reserved: int, error: BaseException) -> None:
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    warn(
+        f"cpu_offload: the host refused a {size / 2**20:.1f} MiB buffer ({reason}); the "
+        f"pool keeps the {reserved / 2**20:.1f} MiB it holds, and saved tensors that do not "
+        "fit stay on the device (counted in stats.tensors_kept_by_host_cap; gradients are "
+        f"unchanged). Set max_host_bytes to what this rank may lock (at most {reserved} "
+        "bytes here, or 'auto': the node's available memory shared by its ranks), or raise "
+        "the limit that refused (RLIMIT_MEMLOCK, the cgroup's memory.max). This warning is "
+        "shown once.",
+        UserWarning,
+        stacklevel=4,
+    )

@@ -73,6 +73,8 @@ class DeviceMemory:
         self.allocated = 0
         self.peak = 0
         self.peak_since_reset = 0  # torch.cuda.max_memory_allocated's
+        self.host_allocated = 0  # host memory (pinned or pageable), counted apart
+        self.host_peak = 0
         self.curve: list[tuple[float, int]] = []
         self.marks: list[MemoryMark] = []
         self.deferred: list[tuple[float, Block]] = []  # freed, awaiting recorded streams
@@ -100,7 +102,10 @@ class DeviceMemory:
         self.blocks[key] = block
         block.finalizer = weakref.finalize(storage, self._died, key)
         block.finalizer.atexit = False
-        if not host:
+        if host:
+            self.host_allocated += block.size
+            self.host_peak = max(self.host_peak, self.host_allocated)
+        else:
             if self.deferred:
                 self.poll()
             self._change(block.size, time)
@@ -113,6 +118,8 @@ class DeviceMemory:
 
     def _died(self, key: int) -> None:
         block = self.blocks.pop(key, None)
+        if block is not None and block.host and not self.closed:
+            self.host_allocated -= block.size
         if block is None or block.host or self.closed:
             return
         if block.recorded:

@@ -339,6 +339,7 @@ def _fill(report: TimedReport, runtime: TimedRuntime) -> None:
     report.host_syncs = timeline.host_syncs
     report.d2h_bytes, report.h2d_bytes = timeline.copied["d2h"], timeline.copied["h2d"]
     report.peak_bytes, report.end_bytes = memory.peak, memory.allocated
+    report.host_peak_bytes = memory.host_peak
     report.marks, report.curve = memory.marks, memory.curve
     report.streams, report.host_log = timeline.streams, timeline.host_log
     memory.close()

@@ -47,6 +47,8 @@ class TimedReport:
         peak_bytes: the most device memory allocated at once, everything the block
             allocated counted (gradients and temporaries too).
         end_bytes: device memory still allocated when the block ended.
+        host_peak_bytes: the most host memory (pinned or pageable) the block's own
+            allocations held at once.
         marks: memory at the points the program marked (:meth:`mark`).
         curve: ``(time, bytes allocated)`` at every change.
         streams: the streams' clocks and logs, the compute stream first.
@@ -67,6 +69,7 @@ class TimedReport:
     h2d_bytes: int = 0
     peak_bytes: int = 0
     end_bytes: int = 0
+    host_peak_bytes: int = 0
     marks: list[MemoryMark] = field(default_factory=list, repr=False)
     curve: list[tuple[float, int]] = field(default_factory=list, repr=False)
     streams: list[StreamClock] = field(default_factory=list, repr=False)
