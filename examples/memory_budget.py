@@ -14,7 +14,7 @@ from cpu_offload.plan import measure_layer, plan_offload, simulate_policy
 from cpu_offload.plan.layers import preset_layer
 from cpu_offload.plan.policy_search import PolicySearch
 from cpu_offload.plan.schedule_model import LayerCosts
-from cpu_offload.policy.policy import policy_runs
+from cpu_offload.report.policy_words import policy_runs
 
 GIB = 2**30
 LAYERS = 32

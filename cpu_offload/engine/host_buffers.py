@@ -94,7 +94,7 @@ def size_class(nbytes: int) -> int:
 
     Example:
         >>> size_class(1), size_class(5000), size_class(3 * 2**20 + 1) - 3 * 2**20
-        (4096, 8192, 131071)
+        (4096, 8192, 131072)
     """
     if nbytes <= MIN_BLOCK_BYTES:
         return MIN_BLOCK_BYTES
@@ -284,15 +284,15 @@ class HostBufferPool:
             block = self._take_free(size)
         else:
             size = size_class(nbytes)
-            if self.max_bytes is not None and size > self.max_bytes:
-                return None  # it can never fit: evicting free blocks would not help
+            limits = [n for n in (self.max_bytes, self._host_full) if n is not None]
+            if any(self._in_use + size > limit for limit in limits):
+                # Evicting every free block would not make room: refused before any is
+                # freed, so the blocks later tensors of the step reuse stay.
+                return None
             # (in retain mode nothing is free to evict)
             self._evict_for(size, int(RESERVE_RATIO * self._peak_requested))
-            for limit in (self.max_bytes, self._host_full):
-                if limit is not None:
-                    if self._in_use + size > limit:
-                        return None  # evicting every free block would not make room
-                    self._evict_for(size, limit)
+            for limit in limits:
+                self._evict_for(size, limit)
             try:
                 data = self._backend.empty_host_bytes(size)
             except (RuntimeError, MemoryError) as error:  # NOTE [A host that says no]

@@ -43,7 +43,7 @@ def test_max_host_bytes_takes_what_memory_budget_takes_everywhere(value, expecte
         ChunkedOffload(max_host_bytes=value),
         handle,
     ]
-    assert all(f"max_host_bytes={expected}" in repr(m) for m in made), [repr(m) for m in made]
+    assert all(f"host_cap_bytes={expected}" in repr(m) for m in made), [repr(m) for m in made]
     handle.remove()
 
 

@@ -75,7 +75,13 @@ def test_local_world_size_is_torchruns_or_one(text, ranks):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("64GiB", 64 * GiB), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), (4096, 4096)],
+    [
+        ("64GiB", 64 * GiB),
+        ("512 MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("4096B", 4096),
+        (2**20, 2**20),
+    ],
     ids=str,
 )
 def test_strings_mean_what_they_mean_for_memory_budget(value, expected):
@@ -84,7 +90,7 @@ def test_strings_mean_what_they_mean_for_memory_budget(value, expected):
 
 def test_a_string_that_is_no_size_is_refused_with_the_forms():
     with pytest.raises(
-        ValueError, match=r"max_host_bytes='lots' is not an amount of memory.*'auto'"
+        ValueError, match=r"max_host_bytes='lots' is not a size; give .*'auto' \(the node's"
     ):
         get_cpu_offload_context(True, 1, 2, max_host_bytes="lots")
 

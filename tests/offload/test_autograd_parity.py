@@ -744,7 +744,7 @@ def budget_under_a_host_cap(off: Offload) -> list[torch.Tensor]:
     if off.k is not None:
         handle = offload_layers(
             blocks,
-            memory_budget=1,
+            memory_budget="1B",
             max_host_bytes="100KiB",
             min_offload_numel=0,
             copy_bandwidth=1e3,

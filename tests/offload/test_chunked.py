@@ -171,6 +171,7 @@ def test_the_drop_in_default_warns_nothing_and_takes_trls_keywords():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default k = L - 1 is not the caller's choice
         ctx = get_act_offloading_ctx_manager(model, True)
+        ctx.remove()  # one offloader hooks a layer at a time
         trl = get_act_offloading_ctx_manager(
             model=model,
             use_pin_memory=True,
@@ -179,7 +180,6 @@ def test_the_drop_in_default_warns_nothing_and_takes_trls_keywords():
             max_fwd_stash_size=5,
             warn_if_no_head=False,
         )
-    ctx.remove()
     x = torch.randn(16, 32, requires_grad=True)
     with trl:
         h = x

@@ -72,7 +72,7 @@ def no_warnings(fn: Callable[[], object]) -> list[str]:
 def test_a_frozen_first_layer_under_no_grad_is_measured_as_saving_nothing(capsys):
     layers, x = blocks(), torch.randn(64, WIDTH)
     plain = step(layers, x, frozen=0)
-    handle = offload_layers(layers, memory_budget=40_000, min_offload_numel=0)
+    handle = offload_layers(layers, memory_budget="40000B", min_offload_numel=0)
     stats = handle.offload_synchronizer.stats
     for index in range(3):
         before = stats.bytes_offloaded
@@ -91,7 +91,7 @@ def test_a_frozen_first_layer_under_no_grad_is_measured_as_saving_nothing(capsys
 def test_a_last_layer_skipped_in_every_step_does_not_stop_the_plan(capsys):
     layers, x = blocks(), torch.randn(64, WIDTH)
     plain = step(layers, x, skip={LAYERS - 1})
-    handle = offload_layers(layers, memory_budget=40_000, min_offload_numel=0)
+    handle = offload_layers(layers, memory_budget="40000B", min_offload_numel=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -105,7 +105,7 @@ def test_a_last_layer_skipped_in_every_step_does_not_stop_the_plan(capsys):
 
 def test_a_budget_without_a_plan_says_why_once():
     layers, x = blocks(), torch.randn(64, WIDTH)
-    handle = offload_layers(layers, memory_budget=40_000, min_offload_numel=0)
+    handle = offload_layers(layers, memory_budget="40000B", min_offload_numel=0)
     assert "the first step runs as the model does, measured" in repr(handle)
 
     def evaluate() -> None:
@@ -131,7 +131,7 @@ def test_a_layer_skipped_in_the_measured_step_is_measured_when_it_runs(capsys):
     layers, x = blocks(), torch.randn(64, WIDTH)
     skipped = step(layers, x, skip={2})
     plain = step(layers, x)
-    handle = offload_layers(layers, memory_budget=40_000, min_offload_numel=0)
+    handle = offload_layers(layers, memory_budget="40000B", min_offload_numel=0)
     stats = handle.offload_synchronizer.stats
     assert same(skipped, step(layers, x, skip={2}))  # the measured step: layer 2 dropped
     assert handle.auto.measured[2] is None and handle.plan is None

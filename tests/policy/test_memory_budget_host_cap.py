@@ -40,7 +40,11 @@ def _run(budget: int, cap: int | None, steps: int = 3):
     layers = _blocks()
     plain = [_grads(layers, seed) for seed in range(steps)]
     handle = offload_layers(
-        layers, memory_budget=budget, max_host_bytes=cap, min_offload_numel=0, copy_bandwidth=1e9
+        layers,
+        memory_budget=f"{budget}B",  # bytes: a bare number under 1 MiB is refused
+        max_host_bytes=None if cap is None else f"{cap}B",
+        min_offload_numel=0,
+        copy_bandwidth=50e9,
     )
     reports = []
     with warnings.catch_warnings(record=True) as caught:

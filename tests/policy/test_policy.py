@@ -62,21 +62,22 @@ PLAIN_SAVES = 3  # addmm's input and weight, tanh's output
 CHECKPOINTED_SAVES = 1  # the checkpoint's input (a layer the hooks do not offload)
 
 
-@pytest.mark.parametrize("order", ["first-in-first-out", "last-in-first-out"])
-def test_two_policy_handles_removed_in_either_order_restore_the_forward(order):
+def test_a_second_policy_handle_waits_for_the_first_to_be_removed():
     model = blocks()
     first = offload_layers(model, policy=["checkpoint", "keep", "keep"], min_offload_numel=0)
-    second = offload_layers(model, policy=["checkpoint", "keep", "keep"], min_offload_numel=0)
     assert isinstance(model[0].__dict__["forward"], CheckpointedForward)
-    handles = [first, second] if order == "first-in-first-out" else [second, first]
-    handles[0].remove()
-    handles[1].enabled = False
-    assert saved_by(model[0]) == PLAIN_SAVES  # the remaining handle, disabled
-    handles[1].enabled = True
-    assert saved_by(model[0]) == CHECKPOINTED_SAVES  # the remaining handle checkpoints it
-    handles[1].remove()
-    assert ours(model[0]) == []
+    with pytest.raises(RuntimeError, match=r"layer 0 \(Sequential\) is already hooked by an"):
+        offload_layers(model, policy=["checkpoint", "keep", "keep"], min_offload_numel=0)
+    assert saved_by(model[0]) == CHECKPOINTED_SAVES  # the first handle still checkpoints
+    first.remove()
+    assert ours(model[0]) == [] and saved_by(model[0]) == PLAIN_SAVES
+    second = offload_layers(model, policy=["checkpoint", "keep", "keep"], min_offload_numel=0)
+    second.enabled = False
     assert saved_by(model[0]) == PLAIN_SAVES
+    second.enabled = True
+    assert saved_by(model[0]) == CHECKPOINTED_SAVES
+    second.remove()
+    assert ours(model[0]) == [] and saved_by(model[0]) == PLAIN_SAVES
 
 
 def copy_of(model: nn.Module, how: str) -> nn.Module:
