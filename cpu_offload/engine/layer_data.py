@@ -60,27 +60,20 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
-def version_keeper(
-    tensor: torch.Tensor, own: bool = False, empty: torch.Tensor | None = None
-) -> torch.Tensor:
+def version_keeper(tensor: torch.Tensor, own: bool = False) -> torch.Tensor:
     """A tensor that shares ``tensor``'s version counter and holds none of its memory
     (NOTE [Version counter checks] in layer_state.py): assigning ``.data`` swaps the
     memory without touching the counter, on ``tensor`` itself when it is ``own`` (an
     alias nothing else uses), else on a ``detach()`` of it, which shares the counter.
     A view is never its own keeper: it holds its base (``_base``), and with it the
-    base's memory, whatever its ``.data``.  ``empty``: :func:`no_memory` of the
-    tensor's device, where the caller has it."""
+    base's memory, whatever its ``.data``."""
     keeper = tensor if own and tensor._base is None else tensor.detach()
-    keeper.data = no_memory(tensor.device) if empty is None else empty
-    return keeper
-
-
-def no_memory(device: torch.device) -> torch.Tensor:
-    """The empty tensor of ``device`` whose (absent) memory version keepers point at."""
+    device = tensor.device
     empty = _NO_MEMORY.get(device)
     if empty is None:
         empty = _NO_MEMORY[device] = torch.empty(0, device=device)
-    return empty
+    keeper.data = empty
+    return keeper
 
 
 class CopyingLayer(Protocol):
@@ -218,39 +211,20 @@ class LayerData:
         """Drop the device tensors as pushed, keeping their version counters: an alias
         of the layer's own becomes its keeper; the user's own tensor (a leaf) and one
         that stays on the device get a keeper of their own.  A tensor pushed twice has
-        one keeper.  Every pushed tensor is on the layer's device (``selection.py``), so
-        their keepers share one empty tensor."""
+        one keeper."""
         pushed = self.pushed
         if pushed and not self.keepers:
-            empty = no_memory(pushed[0].device)
-            if self.grouped or self.stay:
-                self.keepers = self._keepers_shared(pushed, empty)
-            else:  # each position its own alias (nothing pushed twice), none stays
-                keepers = []
-                for tensor, original in zip(pushed, self.originals):
-                    keeper = (
-                        tensor
-                        if tensor._base is None and original() is not tensor
-                        else tensor.detach()
-                    )
-                    keeper.data = empty  # what version_keeper does, inlined: per tensor
-                    keepers.append(keeper)
-                self.keepers = keepers
+            staying = {id(t) for t in self.stay if t is not None}
+            made: dict[int, torch.Tensor] = {}
+            keepers = []
+            for position, tensor in enumerate(pushed):
+                keeper = made.get(id(tensor))
+                if keeper is None:
+                    own = id(tensor) not in staying and self.originals[position]() is not tensor
+                    keeper = made[id(tensor)] = version_keeper(tensor, own)
+                keepers.append(keeper)
+            self.keepers = keepers
         self.pushed = []
-
-    def _keepers_shared(self, pushed: list[torch.Tensor], empty: torch.Tensor) -> list:
-        """:meth:`drop_pushed`'s keepers where an alias may stand at several positions or
-        stay on the device."""
-        staying = {id(t) for t in self.stay if t is not None}
-        made: dict[int, torch.Tensor] = {}
-        keepers = []
-        for position, tensor in enumerate(pushed):
-            keeper = made.get(id(tensor))
-            if keeper is None:
-                own = id(tensor) not in staying and self.originals[position]() is not tensor
-                keeper = made[id(tensor)] = version_keeper(tensor, own, empty)
-            keepers.append(keeper)
-        return keepers
 
     # -------------------------------------------------------------- copies
 

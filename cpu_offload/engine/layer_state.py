@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn import Parameter
@@ -190,7 +190,7 @@ class OffloadableLayerState(LayerTransitions):
             lease = Lease(self)
             data = self._new_cycle(lease)
         else:
-            lease = data.lease()  # type: ignore[assignment]  # alive: the data goes with it
+            lease = cast(Lease, data.lease())  # alive: the data goes with it
         event = marks.ready_event if marks is not None else None
         if event is None:
             # Covered by the one event start_offload records on the push stream,
