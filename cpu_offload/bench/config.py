@@ -15,7 +15,7 @@ from ..plan.planner import MAX_LAYERS
 
 GIB = 2**30
 
-__all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "parse_args"]
+__all__ = ["DTYPES", "MODES", "PRESETS", "BenchConfig", "modeling_line", "parse_args"]
 
 #: the modes ``--modes`` accepts (``offload`` is one mode per k; ``offload:K`` one k)
 MODES = ("none", "offload", "save_on_cpu", "checkpoint", "torchtune", "trl", "hf_offload")
@@ -274,3 +274,12 @@ def _check_shapes(parser: Parser, args: argparse.Namespace, values: dict[str, ob
             f"{flag('hidden')} over {flag('heads')}: heads of {hidden // heads} features; "
             "expected an even number (rotary embeddings rotate pairs of features)"
         )
+
+
+def modeling_line(profile_name: str, runtime: str, config: BenchConfig, what: str) -> str:
+    """The first line a modeled run prints: the profile, the preset's sizes and ``what``."""
+    return (
+        f"modeling {profile_name} ({runtime}), preset {config.preset}: {config.layers} "
+        f"layers, hidden {config.hidden}, seq {config.seq}, batch {config.batch}, "
+        f"{config.dtype}; {what}"
+    )

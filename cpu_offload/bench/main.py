@@ -15,7 +15,7 @@ import torch
 from ..device.link import measure_ceiling
 from ..device.runtime import available_device_type, device_name, get_backend
 from ..models.llama import LlamaConfig, LlamaLayer
-from .config import DTYPES, BenchConfig, parse_args
+from .config import DTYPES, BenchConfig, modeling_line, parse_args
 from .counting import (
     ENV_OUT,
     Collector,
@@ -266,12 +266,7 @@ def _main_simulate(config: BenchConfig) -> int:
         from .peers_main import main_peers
 
         return main_peers(config, profile, command)
-    print(
-        f"modeling {profile.name} ({profile.runtime}), preset {config.preset}: {config.layers} "
-        f"layers, hidden {config.hidden}, seq {config.seq}, batch {config.batch}, "
-        f"{config.dtype}; shapes only",
-        flush=True,
-    )
+    print(modeling_line(profile.name, profile.runtime, config, "shapes only"), flush=True)
     began = time.perf_counter()
 
     def progress(row: SimulatedRow) -> None:

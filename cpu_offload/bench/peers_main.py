@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..device.profiles import DeviceProfile
-from .config import BenchConfig
+from .config import BenchConfig, modeling_line
 from .peers import PeerRow, run_peers
 
 __all__ = ["main_peers", "print_peers", "write_peers_plot"]
@@ -81,9 +81,9 @@ def write_peers_plot(path: str, rows: list[PeerRow], title: str) -> str | None:
 def main_peers(config: BenchConfig, profile: DeviceProfile, command: str) -> int:
     """``--simulate`` with ``--modes`` of peers only: run them, print, write."""
     print(
-        f"modeling {profile.name} ({profile.runtime}), preset {config.preset}: {config.layers} "
-        f"layers, hidden {config.hidden}, seq {config.seq}, batch {config.batch}, "
-        f"{config.dtype}; shapes only; the peers' own code beside ours",
+        modeling_line(
+            profile.name, profile.runtime, config, "shapes only; the peers' own code beside ours"
+        ),
         flush=True,
     )
     began = time.perf_counter()
