@@ -21,7 +21,11 @@ import math
 import numbers
 import re
 
-__all__ = ["FORMS", "MIN_BARE_BYTES", "UNITS", "parse_bytes", "parse_flag_bytes", "size"]
+__all__ = ["AUTO", "FORMS", "MIN_BARE_BYTES", "UNITS", "parse_bytes", "parse_flag_bytes", "size"]
+
+#: the word for an amount read from the machine: memory_budget= (free device memory),
+#: max_host_bytes= (the rank's share of the node's host memory)
+AUTO = "auto"
 
 #: the smallest number taken as bytes without a unit (0 aside)
 MIN_BARE_BYTES = 2**20

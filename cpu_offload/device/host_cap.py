@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .amounts import FORMS, parse_bytes
+from .amounts import AUTO, FORMS, parse_bytes
 from .backend import host_memory_available
 
 __all__ = [
@@ -33,8 +33,6 @@ __all__ = [
     "local_world_size",
 ]
 
-#: what ``max_host_bytes`` takes for the node's share of this rank
-AUTO = "auto"
 #: the fraction of the node's available host memory that ``"auto"`` shares among its ranks
 AUTO_HOST_FRACTION = 0.8
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..device.amounts import FORMS, parse_bytes, size
+from ..device.amounts import AUTO, FORMS, parse_bytes, size
 from ..device.backend import DeviceBackend
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "size",
 ]
 
-AUTO = "auto"
 #: the fraction of the free device memory ``"auto"`` leaves unplanned
 AUTO_MARGIN = 0.10
 #: how far (a fraction of the budget) a step's measured peak of activations may exceed
