@@ -767,6 +767,45 @@ def budget_under_a_host_cap(off: Offload) -> list[torch.Tensor]:
     return found
 
 
+def a_host_that_refuses(off: Offload) -> list[torch.Tensor]:
+    """The host refuses the second host allocation (out of memory, RLIMIT_MEMLOCK): what
+    gets no buffer stays on the device, and the steps compute what they compute without."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(L)]
+    ctx, sync_fn = off.context()
+    if ctx is not None:
+        backend, given = ctx.offload_synchronizer.backend, []
+        allocate = backend.empty_host_bytes
+
+        def refusing(nbytes: int) -> torch.Tensor:
+            given.append(nbytes)
+            if len(given) > 1:
+                raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+            return allocate(nbytes)
+
+        backend.empty_host_bytes = refusing
+    found = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "cpu_offload: the host refused")
+        for _ in range(2):
+            x = leaf(32, 64)
+            h = x
+            for block in blocks:
+                if ctx is None:
+                    h = block(h)
+                else:
+                    with ctx:
+                        h = block(h)
+                    h = sync_fn(h)
+            h.sum().backward()
+            found += [x.grad, *(p.grad.clone() for block in blocks for p in block.parameters())]
+            for block in blocks:
+                block.zero_grad(set_to_none=True)
+    if ctx is not None:
+        assert ctx.offload_synchronizer.stats.host_allocations_failed == 1
+    return found
+
+
 class Keywords(torch.nn.Module):
     """A layer whose keyword arguments are named like ``torch.utils.checkpoint``'s own;
     each changes what it computes."""
@@ -1223,6 +1262,7 @@ PROGRAMS = {
         hugging_face_modules("llama", inplace=True), match=MODIFIED
     ),
     "memory_budget under a host cap": Row(budget_under_a_host_cap),
+    "a host that refuses an allocation": Row(a_host_that_refuses),
     "memory_budget, a longer input measured again": Row(automatic_policy((8, 8, 24, 24, 8))),
     "memory_budget, a layer's input modified in place": Row(
         automatic_policy((8, 8), inplace=True), match=MODIFIED
