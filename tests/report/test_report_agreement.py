@@ -112,6 +112,8 @@ def test_the_context_api_counts_a_tensor_saved_twice_as_two_saves_and_one_copy()
     assert report.copied_bytes == copied_bytes == reloaded_bytes
     for row in report.rows[:2]:
         assert row.moved_tensors > row.copied_tensors  # x: two saves, one copy
+    # the context says its schedule in the words of offload_layers' handle and of a plan
+    assert "3 layers per forward pass, layers 0-1 offload, 2 keep (k=2);" in repr(ctx)
 
 
 def test_a_whole_forward_counts_its_copies_as_the_statistics_do():
