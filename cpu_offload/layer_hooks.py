@@ -312,6 +312,8 @@ def offload_layers(
     handle.auto = auto
     synchronizer = context.offload_synchronizer
     handle.found = found_layers(layers, where, owner)
+    if not manual:  # the hooks call the sync function: a reload on demand has other causes
+        synchronizer.reload_advice = synchronizer.hooked_reload_advice
     if not manual and auto is None:
         handle.policy = chosen or ["offload" if i < count else "keep" for i in range(len(layers))]
         handle.k = None if policy is not None else count

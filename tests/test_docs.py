@@ -26,7 +26,7 @@ OFFLOADING = re.compile(
     r"get_cpu_offload_context|offload_layers\(|OffloadCallback\(|get_act_offloading_ctx_manager|"
     r"OffloadSynchronizer\(|OffloadActivations\(|ChunkedOffload\("
 )
-MOVED = re.compile(r"moved ([1-9]\d*) tensors \((\d+\.\d+) MiB\) to the host")
+MOVED = re.compile(r"(?:moved|copied) ([1-9]\d*) tensors \((\d+\.\d+) MiB\) to the host")
 
 
 @pytest.mark.parametrize("block", BLOCKS)

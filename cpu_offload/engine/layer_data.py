@@ -365,6 +365,8 @@ def count_moves(data: LayerData, saves: SaveCounts) -> None:
     """Count, after :meth:`LayerData.copy_out`, the pushed tensors that moved and those the
     host cap kept (NOTE [Counting saved tensors for nearly nothing] in step_record.py)."""
     saves.copied_bytes += data.host_bytes
+    host = data.host
+    saves.copied += len(host) if not data.stay else sum(h is not None for h in host)
     pushed = data.pushed
     if not data.grouped and not data.stay:  # each pushed tensor copied as it is
         saves.moved += len(pushed)

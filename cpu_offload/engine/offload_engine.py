@@ -77,6 +77,13 @@ class OffloadEngine:
     #: what a layer reloaded on demand in its first backward tells the user to do (None:
     #: such a reload is expected, and silent)
     reload_advice: str | None = "Call the sync function on every layer's output to prefetch it."
+    #: the same, for the layers ``offload_layers`` hooks (its hooks call the sync function)
+    hooked_reload_advice = (
+        "offload_layers starts a layer's reload when backward reaches the output of a later "
+        "layer, and backward reached this one first: a later layer's output does not lead "
+        "to the loss (a branch, an early exit), or the layers ran in another order than "
+        "they are listed. Keep the layer (policy=) to spare the wait."
+    )
     #: the class of the layer states it makes
     layer_state_class: type[OffloadableLayerState] = OffloadableLayerState
 

@@ -87,7 +87,7 @@ class OffloadActivations(ChunkedOffload):
         ...     loss = model(torch.randn(64, 256, requires_grad=True)).sum()
         >>> loss.backward()
         >>> print(ctx.offload_synchronizer.stats)
-        moved 4 tensors (0.25 MiB) to the host and 4 (0.25 MiB) back in 1 forward passes
+        copied 4 tensors (0.25 MiB) to the host and 4 (0.25 MiB) back in 1 forward passes
     """
 
     bytes_threshold_name = "min_offload_size"

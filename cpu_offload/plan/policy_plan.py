@@ -30,8 +30,11 @@ _SHORT = {
 class PolicyPlan:
     """The policy chosen for a memory budget, and what it is predicted to cost.
 
-    ``str(plan)`` is a table: one row per layer (its choice, the bytes it saves, moves,
-    and keeps when checkpointed), then the prediction.
+    ``str(plan)`` is a table: one row per layer (its choice; ``activations``: the memory
+    its saved activations hold, each storage once, parameters left out; ``copied``: the
+    bytes its choice copies to the host per step, what a step report's ``copied_bytes``
+    and ``stats.bytes_offloaded`` count; ``inputs``: what it keeps when checkpointed),
+    then the prediction.
 
     Attributes:
         policy: one of ``POLICY_CHOICES`` per layer; pass it to
@@ -96,25 +99,25 @@ class PolicyPlan:
             f"PolicyPlan for {size(self.memory_budget)} of saved activations{self._host()}: "
             + ("fits" if self.fits else "NOTHING FITS (the closest)")
             + f", the best of {self.candidates} policies",
-            f"{'layer':>5}  {'module':<24} {'choice':<12} {'saved':>11} {'moved':>11} "
+            f"{'layer':>5}  {'module':<24} {'choice':<12} {'activations':>11} {'copied':>11} "
             f"{'inputs':>11}",
         ]
         for index, choice in enumerate(self.policy):
             name = self.layer_names[index] if index < len(self.layer_names) else ""
             cost = self.layer_costs[index] if index < len(self.layer_costs) else None
-            moved = 0
+            copied = 0
             if cost is not None and choice == OFFLOAD:
-                moved = cost.offloaded_bytes
+                copied = cost.offloaded_bytes
             elif cost is not None and choice == CHECKPOINT_OFFLOAD:
-                moved = cost.input_offloaded_bytes
+                copied = cost.input_offloaded_bytes
             saved, inputs = (cost.saved_bytes, cost.input_bytes) if cost else (0, 0)
             lines.append(
                 f"{index:>5}  {name[:24]:<24} {_SHORT[choice]:<12} {size(saved):>11} "
-                f"{size(moved):>11} {size(inputs):>11}"
+                f"{size(copied):>11} {size(inputs):>11}"
             )
         lines.append(
             f"predicted: peak {size(row.peak_bytes)}, end of forward "
-            f"{size(row.end_of_forward_bytes)}, {size(row.offloaded_bytes)} moved per step, "
+            f"{size(row.end_of_forward_bytes)}, {size(row.offloaded_bytes)} copied per step, "
             f"step {row.step_s * 1e3:.3f} ms ({row.overhead:+.1%}: {row.recompute_s * 1e3:.3f} "
             f"ms recompute, {row.exposed_copy_s * 1e3:.3f} ms waiting for copies)"
         )

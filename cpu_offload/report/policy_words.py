@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["describe_policy", "policy_runs"]
+__all__ = ["describe_policy", "layer_ranges", "policy_runs"]
 
 
 def policy_runs(policy: Sequence[str]) -> list[tuple[int, int, str]]:
@@ -28,3 +28,14 @@ def describe_policy(policy: Sequence[str]) -> str:
         f"{first} {choice}" if first == last else f"{first}-{last} {choice}"
         for first, last, choice in policy_runs(policy)
     )
+
+
+def layer_ranges(layers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

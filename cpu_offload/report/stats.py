@@ -12,7 +12,8 @@ class OffloadStats:
     """Running totals kept by a synchronizer.
 
     Attributes:
-        tensors_offloaded: device-to-host copies issued.
+        tensors_offloaded: device-to-host copies issued (a tensor saved twice, or views
+            of one, is one copy): a step report's ``copied_tensors``, summed.
         bytes_offloaded: bytes copied device to host.
         tensors_reloaded: host-to-device copies issued.
         bytes_reloaded: bytes copied host to device.
@@ -36,9 +37,10 @@ class OffloadStats:
     host_allocations_failed: int = 0
 
     def __str__(self) -> str:
-        """One line of what moved, as the docs' examples print it."""
+        """One line of the copies, as the docs' examples print it: a tensor saved twice,
+        or views of one, is one copy (a step report counts what moved per save)."""
         return (
-            f"moved {self.tensors_offloaded} tensors ({self.bytes_offloaded / 2**20:.2f} MiB) "
+            f"copied {self.tensors_offloaded} tensors ({self.bytes_offloaded / 2**20:.2f} MiB) "
             f"to the host and {self.tensors_reloaded} ({self.bytes_reloaded / 2**20:.2f} MiB) "
             f"back in {self.forward_passes} forward passes"
             + (f", {self.on_demand_reloads} reloaded on demand" if self.on_demand_reloads else "")

@@ -10,6 +10,18 @@ NOTE [Counting saved tensors for nearly nothing]
     the host cap's refusals there too.  Nothing is summed until a report is asked for.
     Layers without hooks (not offloaded) are not seen: their saved tensors stay with
     autograd, uncounted, and the report says so.
+
+NOTE [What the report counts]
+    ``saved``, ``moved`` and ``kept`` count saves: each tensor autograd handed the pack
+    hook, once per save (a tensor saved twice counts twice, a view as its own bytes),
+    parameters included; moved + kept = saved.  ``copied`` counts the copies to the host
+    that moved them: a tensor saved twice is copied once, views of one tensor move as
+    their base, so a layer copies fewer tensors, and often fewer bytes, than it moves.
+    ``copied`` is what ``stats.tensors_offloaded`` and ``stats.bytes_offloaded`` count
+    (per step here, running totals there) and what a plan's ``copied`` column predicts
+    (``LayerProfile.offloaded_bytes``); a plan's ``activations`` column is the memory the
+    saved activations hold (each storage once, parameters left out), which the report
+    does not count.
 """
 
 from __future__ import annotations
@@ -46,7 +58,9 @@ class SaveCounts:
             twice counts twice; its bytes are its own, a view's its view's).
         capped, capped_bytes: tensors the host cap kept.
         not_copied, not_copied_bytes: tensors pushed to move whose offload never started.
-        copied_bytes: bytes copied to the host (each tensor once, a view's base whole).
+        copied, copied_bytes: copies to the host and their bytes (a tensor saved twice
+            is copied once, a view that moves through its base as that base, whole):
+            ``stats.tensors_offloaded`` and ``stats.bytes_offloaded`` of the layer's step.
         released_bytes: of those, bytes dropped from the device before backward.
         reloaded_bytes: bytes copied back.
         on_demand: whether backward needed the layer before its reload was scheduled.
@@ -54,7 +68,7 @@ class SaveCounts:
 
     # the counts are class attributes until a layer has something to count (most never do)
     moved = moved_bytes = capped = capped_bytes = not_copied = not_copied_bytes = 0
-    copied_bytes = released_bytes = reloaded_bytes = 0
+    copied = copied_bytes = released_bytes = reloaded_bytes = 0
     on_demand = False
 
     def __init__(self, kept_fast: list[int] | None = None) -> None:

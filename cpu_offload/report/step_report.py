@@ -1,4 +1,5 @@
-"""What the last step did: per layer (or chunk), the tensors saved, moved and kept, and why.
+"""What the last step did: per layer (or chunk), the tensors saved, moved and kept, and why,
+and the copies that moved them (NOTE [What the report counts] in step_record.py).
 
 NOTE [What a step is]
     A step is one forward pass and the backward through it.  The report of a step is
@@ -38,7 +39,6 @@ __all__ = [
     "REASONS",
     "StepRecorder",
     "StepReport",
-    "layer_ranges",
 ]
 
 
@@ -88,7 +88,10 @@ class LayerRow:
             or ``chunk``.
         counted: whether hooks saw its saved tensors (False: not offloaded, uncounted).
         kept_because: per reason (:data:`REASONS`' description), ``(tensors, bytes)``.
-        copied_bytes, reloaded_bytes: bytes copied to the host and back.
+        saved_*, moved_*, kept_*: tensors its forward saved (each save counted), moved
+            to the host and kept; copied_*: the copies that moved them, as the
+            statistics count (NOTE [What the report counts] in step_record.py).
+        reloaded_bytes: bytes copied back.
         recomputed: for a checkpointed layer, whether its checkpoint recomputed it in
             the step's backward; None for other layers.
         note: what the row says instead of counts, or after them.
@@ -104,6 +107,7 @@ class LayerRow:
     kept_tensors: int = 0
     kept_bytes: int = 0
     kept_because: dict[str, tuple[int, int]] = field(default_factory=dict)
+    copied_tensors: int = 0
     copied_bytes: int = 0
     reloaded_bytes: int = 0
     on_demand: bool = False
@@ -142,7 +146,8 @@ def _row(index: int, choice: str, counts: SaveCounts) -> LayerRow:
     row.moved_tensors, row.moved_bytes = counts.moved, counts.moved_bytes
     row.saved_tensors = row.moved_tensors + row.kept_tensors
     row.saved_bytes = row.moved_bytes + row.kept_bytes
-    row.copied_bytes, row.reloaded_bytes = counts.copied_bytes, counts.reloaded_bytes
+    row.copied_tensors, row.copied_bytes = counts.copied, counts.copied_bytes
+    row.reloaded_bytes = counts.reloaded_bytes
     row.on_demand = counts.on_demand
     return row
 
@@ -159,24 +164,14 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def layer_ranges(layers: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
-    runs: list[list[int]] = []
-    for layer in sorted(layers):
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 @dataclass
 class StepReport:
     """The last completed step of an offload context (NOTE [What a step is]).
 
     ``print(report)`` gives a short table; :meth:`to_dict` the totals as flat scalars
     for loggers.  Totals add up: moved + kept = saved, in tensors and in bytes, over the
-    layers whose saved tensors the hooks saw (``counted``).
+    layers whose saved tensors the hooks saw (``counted``); ``copied`` counts the copies
+    that moved them, as the statistics do (NOTE [What the report counts]).
 
     Attributes:
         step: steps the context has completed (0: none yet, and the report is empty).
@@ -222,6 +217,14 @@ class StepReport:
         return self._total("moved_bytes")
 
     @property
+    def copied_tensors(self) -> int:
+        return self._total("copied_tensors")
+
+    @property
+    def copied_bytes(self) -> int:
+        return self._total("copied_bytes")
+
+    @property
     def kept_tensors(self) -> int:
         return self._total("kept_tensors")
 
@@ -260,7 +263,8 @@ class StepReport:
         for reason, (tensors, nbytes) in self.kept_because.items():
             scalars[f"kept_tensors/{_key(reason)}"] = tensors
             scalars[f"kept_bytes/{_key(reason)}"] = nbytes
-        scalars["copied_bytes"] = self._total("copied_bytes")
+        scalars["copied_tensors"] = self.copied_tensors
+        scalars["copied_bytes"] = self.copied_bytes
         scalars["reloaded_bytes"] = self._total("reloaded_bytes")
         checkpointed = [row for row in self.rows if row.recomputed is not None]
         if checkpointed:
@@ -289,11 +293,12 @@ class StepReport:
             )
         lines = [
             f"cpu_offload: step {self.step} (forward pass {self.forward_pass} and its "
-            f"backward): {self.saved_tensors} tensors saved ({mib(self.saved_bytes)}), moved "
-            f"{self.moved_tensors} tensors ({mib(self.moved_bytes)}) to the host in "
-            f"{mib(self._total('copied_bytes'))} of copies, kept {self.kept_tensors} "
-            f"({mib(self.kept_bytes)})",
-            f"{self.unit:<7}{'':<19}{'saved':>19}{'moved':>19}{'kept':>19}  why kept",
+            f"backward): {self.saved_tensors} tensors saved ({mib(self.saved_bytes)}; each "
+            f"save counted), moved {self.moved_tensors} tensors ({mib(self.moved_bytes)}) to "
+            f"the host, kept {self.kept_tensors} ({mib(self.kept_bytes)}); copied "
+            f"{self.copied_tensors} tensors ({mib(self.copied_bytes)}) to the host (a "
+            "tensor saved twice, or views of one, copied once)",
+            f"{self.unit:<7}{'':<19}{'saved':>19}{'moved':>19}{'kept':>19}{'copied':>19}  why kept",
         ]
         for row in self.rows:
             lines.append(_row_line(row))
@@ -307,7 +312,7 @@ class StepReport:
 
     def _totals_row(self) -> LayerRow:
         total = LayerRow(-1, "total", counted=True, kept_because=self.kept_because)
-        for name in ("saved", "moved", "kept"):
+        for name in ("saved", "moved", "kept", "copied"):
             setattr(total, f"{name}_tensors", getattr(self, f"{name}_tensors"))
             setattr(total, f"{name}_bytes", getattr(self, f"{name}_bytes"))
         return total
@@ -350,7 +355,7 @@ def _row_line(row: LayerRow, total: bool = False) -> str:
     choice = "" if total else row.choice
     head = f"{label:<7}{choice:<19}"
     if not row.counted:
-        return head + f"{'-':>19}{'-':>19}{'-':>19}  {row.note}".rstrip()
+        return head + f"{'-':>19}{'-':>19}{'-':>19}{'-':>19}  {row.note}".rstrip()
     why = ", ".join(f"{reason}: {t}" for reason, (t, _) in row.kept_because.items())
     extra = [why] if why else []
     if row.on_demand:
@@ -362,6 +367,7 @@ def _row_line(row: LayerRow, total: bool = False) -> str:
         + _amount(row.saved_tensors, row.saved_bytes)
         + _amount(row.moved_tensors, row.moved_bytes)
         + _amount(row.kept_tensors, row.kept_bytes)
+        + _amount(row.copied_tensors, row.copied_bytes)
         + ("  " + "; ".join(extra) if extra else "")
     )
 
