@@ -25,6 +25,20 @@ NOTE [Offload stream ordering]
              reload event.
     release all: the compute stream waits for copies still in flight (an offload
              never released, reloads never popped) before dropping the tensors.
+
+NOTE [Reloaded tensors go one by one]
+    A reloaded tensor's pop hands it to autograd and the layer lets go of it: its
+    memory goes when autograd's own use of it ends (the node that unpacked it is
+    done), not when the layer's backward ends, as a per-tensor offloader's would.
+    Positions that share one reloaded tensor (a tensor saved by several nodes, views
+    moved through their base) each hold it until their own pop, so it goes with the
+    last of them; a chunk's shared handle (NOTE [A tensor saved in several chunks] in
+    chunked.py) counts as one pop more.  A position popped again within one reload (a
+    node unpacking a saved tensor twice, a graph walked again before the layer was
+    released) gets a new copy of its host copy, made on the compute stream: the host
+    copies live as long as the graph.  Every pop has waited for the layer's reload
+    event before its tensor is handed out, so memory freed this way is never written
+    by a copy still queued.
 """
 
 from __future__ import annotations
@@ -127,7 +141,10 @@ class LayerData:
         host: per unique tensor, its host buffer (None: over ``max_host_bytes``, stays);
         stay: per unique tensor that stays, the tensor (else None); empty if none stays.
         host_bytes: bytes of the host copies.
-        reloaded: per pushed position, the tensor after reload.
+        reloaded: per pushed position, the tensor after reload, until its pop hands it
+            to autograd (then None: NOTE [Reloaded tensors go one by one]).
+        shares: pushed position -> pops beyond its own handle's (chunks' shared
+            handles); None: none; pops_left: what is left of it in this reload.
         in_flight: events of copies nobody has waited for.
         push_stream, push_stream_key: the stream current at the first push.
         reload_event, reload_waited_on: the reload's event, and the stream key that
@@ -151,6 +168,8 @@ class LayerData:
         "stay",
         "host_bytes",
         "reloaded",
+        "shares",
+        "pops_left",
         "in_flight",
         "push_stream",
         "push_stream_key",
@@ -174,7 +193,9 @@ class LayerData:
         self.host: list[torch.Tensor | None] = []
         self.stay: list[torch.Tensor | None] = []
         self.host_bytes = 0
-        self.reloaded: list[torch.Tensor] = []
+        self.reloaded: list[torch.Tensor | None] = []
+        self.shares: dict[int, int] | None = None
+        self.pops_left: dict[int, int] | None = None
         self.in_flight: list[Any] = []
         self.push_stream: Any = None
         self.push_stream_key: Any = None
@@ -308,10 +329,45 @@ class LayerData:
         self.reload_waited_on = NOT_WAITED
         self.in_flight = [event]
         if self.layout is None:
-            self.reloaded = targets
+            reloaded = targets
         else:
             group = TensorGroup(targets, [event] * len(targets), aux=self.layout)
-            self.reloaded = TensorGroupProcessor.process_after_reload(group).tensor_list
+            reloaded = TensorGroupProcessor.process_after_reload(group).tensor_list
+        self.reloaded = cast("list[torch.Tensor | None]", reloaded)
+        self.pops_left = None if self.shares is None else dict(self.shares)
+
+    # --------------------------------------------------------------- pops
+
+    def hand_out(self, position: int) -> None:
+        """The reloaded tensor at ``position`` goes to autograd, and the layer lets go of
+        it, unless a shared handle will pop it again in this backward (NOTE [Reloaded
+        tensors go one by one])."""
+        left = self.pops_left
+        if left:
+            more = left.get(position, 0)
+            if more:
+                left[position] = more - 1
+                return
+        self.reloaded[position] = None
+
+    def pop_again(self, layer: CopyingLayer, position: int) -> torch.Tensor:
+        """The tensor at ``position`` once more in one reload (a node unpacking a saved
+        tensor twice, a graph walked again before the layer was released): a new copy
+        of its host copy, made on the compute stream (or the device tensor that stayed
+        under ``max_host_bytes``)."""
+        layout = self.layout
+        source = position if layout is None else layout.source_index[position]
+        host = self.host[source]
+        with _NoGrad():
+            if host is None:
+                tensor = cast(torch.Tensor, self.stay[source])
+            else:
+                backend = layer.backend
+                tensor = backend.empty_device(host)
+                backend.copy_many([tensor], [host], backend.current_stream(), layer.name)
+                layer.stats.count("h2d", 1, host.nbytes)
+            view = None if layout is None else layout.views[position]
+            return tensor if view is None else tensor.as_strided(*view)
 
     def _with_host(
         self, device_tensors: list[torch.Tensor]

@@ -305,6 +305,10 @@ class OffloadableLayerState(LayerTransitions):
                 in_range("wait_reload", self.name, backend.wait_event, stream, event)
                 data.reload_waited_on = key
         tensor = data.reloaded[index]
+        if tensor is None:  # popped before in this reload
+            tensor = data.pop_again(self, index)
+        else:  # NOTE [Reloaded tensors go one by one] in layer_data.py
+            data.hand_out(index)
         if backend.checks_handoff:
             backend.before_handoff(tensor, self.name)
         return tensor
