@@ -156,6 +156,7 @@ def _saved_before(run: _Forward, chunk: OffloadableLayerState, tensor: _Tensor) 
     else:  # the host cap kept it there
         saves.capped += 1
         saves.capped_bytes += nominal_bytes(tensor)
+    lease.layer.add_shared_pop(lease, entry[2])
     return SharedHandle(lease, entry[2], view)
 
 

@@ -25,6 +25,20 @@ NOTE [Offload stream ordering]
              reload event.
     release all: the compute stream waits for copies still in flight (an offload
              never released, reloads never popped) before dropping the tensors.
+
+NOTE [Reloaded tensors go one by one]
+    A reloaded tensor's pop hands it to autograd and the layer lets go of it: its
+    memory goes when autograd's own use of it ends (the node that unpacked it is
+    done), not when the layer's backward ends, as a per-tensor offloader's would.
+    Positions that share one reloaded tensor (a tensor saved by several nodes, views
+    moved through their base) each hold it until their own pop, so it goes with the
+    last of them; a chunk's shared handle (NOTE [A tensor saved in several chunks] in
+    chunked.py) counts as one pop more.  A position popped again within one reload (a
+    node unpacking a saved tensor twice, a graph walked again before the layer was
+    released) gets a new copy of its host copy, made on the compute stream: the host
+    copies live as long as the graph.  Every pop has waited for the layer's reload
+    event before its tensor is handed out, so memory freed this way is never written
+    by a copy still queued.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ __all__ = [
     "CopyingLayer",
     "LayerData",
     "count_moves",
+    "hand_out",
     "pushed_bytes",
     "version_keeper",
 ]
@@ -127,7 +142,8 @@ class LayerData:
         host: per unique tensor, its host buffer (None: over ``max_host_bytes``, stays);
         stay: per unique tensor that stays, the tensor (else None); empty if none stays.
         host_bytes: bytes of the host copies.
-        reloaded: per pushed position, the tensor after reload.
+        reloaded: per pushed position, the tensor after reload, None once popped.
+        shares, pops_left: position -> pops beyond its handle's (None: none), all and left.
         in_flight: events of copies nobody has waited for.
         push_stream, push_stream_key: the stream current at the first push.
         reload_event, reload_waited_on: the reload's event, and the stream key that
@@ -151,6 +167,8 @@ class LayerData:
         "stay",
         "host_bytes",
         "reloaded",
+        "shares",
+        "pops_left",
         "in_flight",
         "push_stream",
         "push_stream_key",
@@ -174,7 +192,9 @@ class LayerData:
         self.host: list[torch.Tensor | None] = []
         self.stay: list[torch.Tensor | None] = []
         self.host_bytes = 0
-        self.reloaded: list[torch.Tensor] = []
+        self.reloaded: list[torch.Tensor | None] = []
+        self.shares: dict[int, int] | None = None
+        self.pops_left: dict[int, int] | None = None
         self.in_flight: list[Any] = []
         self.push_stream: Any = None
         self.push_stream_key: Any = None
@@ -279,7 +299,7 @@ class LayerData:
             self.stay = [t if h is None else None for h, t in zip(host, unique)]
             sizes = [n for n, h in zip(sizes, host) if h is not None]
         self.host_bytes = sum(sizes)
-        hosts, sources = self._with_host(unique)
+        hosts, sources = _with_host(self, unique)
         self._copy(layer, "d2h", hosts, sources)
         self.in_flight = [backend.record_event(stream)]
 
@@ -301,27 +321,19 @@ class LayerData:
         else:
             targets = backend.empty_device_many(cast(list[torch.Tensor], self.host))
         backend.wait_stream(stream, backend.current_stream())
-        hosts, reloaded = self._with_host(targets)
+        hosts, reloaded = _with_host(self, targets)
         self._copy(layer, "h2d", reloaded, hosts)
         # One event for the layer: its first pop waits for every copy.
         event = self.reload_event = backend.record_event(stream)
         self.reload_waited_on = NOT_WAITED
         self.in_flight = [event]
         if self.layout is None:
-            self.reloaded = targets
+            reloaded = targets
         else:
             group = TensorGroup(targets, [event] * len(targets), aux=self.layout)
-            self.reloaded = TensorGroupProcessor.process_after_reload(group).tensor_list
-
-    def _with_host(
-        self, device_tensors: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The host buffers and the device tensors (one per unique tensor) of the tensors
-        that have a buffer: all of them, unless the pool was at ``max_host_bytes``."""
-        if not self.stay:
-            return cast(list[torch.Tensor], self.host), device_tensors
-        pairs = [(h, t) for h, t in zip(self.host, device_tensors) if h is not None]
-        return [h for h, _ in pairs], [t for _, t in pairs]
+            reloaded = TensorGroupProcessor.process_after_reload(group).tensor_list
+        self.reloaded = cast("list[torch.Tensor | None]", reloaded)
+        self.pops_left = None if self.shares is None else dict(self.shares)
 
     def _copy(
         self,
@@ -354,6 +366,47 @@ class LayerData:
         """The cycle is over: wait for copies in flight, give the host buffers back."""
         self.wait_for_copies(layer)
         layer.host_buffers.release(layer.layer_index, self.host)
+
+
+def _with_host(
+    data: LayerData, device_tensors: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The host buffers and the device tensors (one per unique tensor) of the tensors
+    that have a buffer: all of them, unless the pool was at ``max_host_bytes``."""
+    if not data.stay:
+        return cast(list[torch.Tensor], data.host), device_tensors
+    pairs = [(h, t) for h, t in zip(data.host, device_tensors) if h is not None]
+    return [h for h, _ in pairs], [t for _, t in pairs]
+
+
+def hand_out(data: LayerData, layer: CopyingLayer, position: int) -> torch.Tensor:
+    """The reloaded tensor at ``position`` for a pop; the layer lets go of it unless a
+    shared handle will pop it again in this reload (NOTE [Reloaded tensors go one by
+    one]).  A position popped again within one reload (a node unpacking a saved tensor
+    twice, a graph walked again before the layer was released) gets a new copy of its
+    host copy, made on the compute stream (or the device tensor that stayed under
+    ``max_host_bytes``)."""
+    tensor = data.reloaded[position]
+    if tensor is not None:
+        left = data.pops_left
+        if left and left.get(position, 0):
+            left[position] -= 1
+        else:
+            data.reloaded[position] = None
+        return tensor
+    layout = data.layout
+    source = position if layout is None else layout.source_index[position]
+    host = data.host[source]
+    with _NoGrad():
+        if host is None:
+            tensor = cast(torch.Tensor, data.stay[source])
+        else:
+            backend = layer.backend
+            tensor = backend.empty_device(host)
+            backend.copy_many([tensor], [host], backend.current_stream(), layer.name)
+            layer.stats.count("h2d", 1, host.nbytes)
+        view = None if layout is None else layout.views[position]
+        return tensor if view is None else tensor.as_strided(*view)
 
 
 def pushed_bytes(data: LayerData) -> int:

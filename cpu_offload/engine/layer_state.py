@@ -75,7 +75,7 @@ from ..report.profiler_ranges import in_range
 from ..report.stats import OffloadStats
 from ..report.step_record import nominal_bytes
 from .host_buffers import HostBufferPool
-from .layer_data import LayerData
+from .layer_data import LayerData, hand_out
 from .transitions import LayerState, LayerTransitions
 
 __all__ = ["OffloadableLayerState"]
@@ -304,7 +304,7 @@ class OffloadableLayerState(LayerTransitions):
                 stream, event = backend.current_stream(), data.reload_event
                 in_range("wait_reload", self.name, backend.wait_event, stream, event)
                 data.reload_waited_on = key
-        tensor = data.reloaded[index]
+        tensor = hand_out(data, self, index)  # and let go of it
         if backend.checks_handoff:
             backend.before_handoff(tensor, self.name)
         return tensor

@@ -223,6 +223,16 @@ class LayerTransitions:
                 self.saves.not_copied_bytes += pushed_bytes(data)
             in_range("release_all", self.name, data.release, self)
 
+    def add_shared_pop(self, lease: Lease, position: int) -> None:
+        """A shared handle will pop ``position`` of ``lease``'s cycle as well (NOTE
+        [Reloaded tensors go one by one] in layer_data.py)."""
+        data = self._data
+        if data is not None and data.lease() is lease:
+            shares = data.shares
+            if shares is None:
+                shares = data.shares = {}
+            shares[position] = shares.get(position, 0) + 1
+
     # -------------------------------------------------------------- queries
 
     @property

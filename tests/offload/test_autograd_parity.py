@@ -268,6 +268,51 @@ def retain_graph_twice(off: Offload) -> list[torch.Tensor]:
     return [first, x.grad]
 
 
+class _UnpackedTwice(torch.autograd.Function):
+    """``x * y``, whose backward unpacks its saved tensors twice: the first results
+    dropped before the second unpack (``drop``), or held through it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor, drop: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, y)
+        ctx.drop = drop
+        return x * y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, y = ctx.saved_tensors
+        grad_x = grad * y
+        if ctx.drop:
+            del x, y
+        x2, y2 = ctx.saved_tensors
+        return grad_x, grad * x2, None
+
+
+def unpacked_twice_in_one_node(drop: bool) -> Callable[[Offload], list[torch.Tensor]]:
+    """A node that unpacks each saved tensor twice: the second unpack gets what the
+    first did, or (``drop``: nothing holds the first any more) a copy from the host."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        x = leaf(8, 4)
+        layer = lambda h: _UnpackedTwice.apply(h.sin(), h.cos(), drop).exp()  # noqa: E731
+        chain([layer, layer, layer], x, *off.context()).sum().backward()
+        return [x.grad]
+
+    return program
+
+
+def partial_grad_then_backward(off: Offload) -> list[torch.Tensor]:
+    """``autograd.grad`` down to a middle hidden state with ``retain_graph=True``, then the
+    whole backward: the layers above are walked twice."""
+    x = leaf(8, 4)
+    ctx, sync_fn = off.context()
+    mid = chain([torch.sin, torch.cos], x, ctx, sync_fn)
+    loss = chain([torch.exp], mid, ctx, sync_fn).sum()
+    (grad_mid,) = torch.autograd.grad(loss, mid, retain_graph=True)
+    loss.backward()
+    return [grad_mid, x.grad]
+
+
 def backward_twice_without_retain(off: Offload) -> list[torch.Tensor]:
     x = leaf(8, 4)
     loss = chain([torch.sin, torch.cos, torch.exp], x, *off.context()).sum()
@@ -1187,6 +1232,11 @@ PROGRAMS = {
         backward_twice_without_retain, match="backward through the graph a second time"
     ),
     "gradient penalty (create_graph)": Row(gradient_penalty),
+    "a node unpacking its saved tensors twice": Row(unpacked_twice_in_one_node(False)),
+    "a node unpacking twice, the first dropped": Row(unpacked_twice_in_one_node(True)),
+    "autograd.grad to a middle layer (retain_graph), then backward": Row(
+        partial_grad_then_backward
+    ),
     "torch.func.grad, then a step": Row(torch_func_grad_then_a_step),
     "interrupted between layers, then a step": Row(interrupted_between_layers_then_a_step),
     "hooks inside non-reentrant checkpoint": Row(checkpoint_around_offloaded_layers(False), False),

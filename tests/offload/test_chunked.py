@@ -274,6 +274,9 @@ def test_a_tensor_saved_in_several_chunks_is_copied_once():
     assert all(torch.equal(a, b) for a, b in zip(plain, run(False, ctx)))
     # 16 KiB each: x, the three products, q, k and q * k; v (saved last) stays
     assert ctx.offload_synchronizer.stats.bytes_offloaded == 7 * 64 * 64 * 4
+    # and comes back once: each shared handle counts as one pop more (NOTE [Reloaded
+    # tensors go one by one] in engine/layer_data.py)
+    assert ctx.offload_synchronizer.stats.bytes_reloaded == 7 * 64 * 64 * 4
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         run(True, contextlib.nullcontext())
     ctx = ChunkedOffload(chunk_bytes=1)

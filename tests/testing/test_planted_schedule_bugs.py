@@ -145,7 +145,7 @@ def test_a_missing_record_stream_holds_reloaded_memory_to_the_end_of_backward():
 
         def holding(self: LayerData, layer: object) -> None:
             copy_in(self, layer)  # type: ignore[arg-type]
-            held.append(self.reloaded)
+            held.append(list(self.reloaded))  # the tensors, not the layer's list
 
         patch.setattr(LayerData, "copy_in", holding)
 
