@@ -327,7 +327,7 @@ def offload_layers(
     # Inside the hooks: see NOTE [Checkpoint inside the offload context]
     warned: set[str] = set()  # once per handle
     for m in checkpointed:
-        noted = functools.partial(synchronizer.recorder.note_recompute, *positions[id(m)])
+        noted = functools.partial(synchronizer.note_recompute, *positions[id(m)])
         request = checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned, noted)
         handle._hooks.append(request)
     if checkpointed:

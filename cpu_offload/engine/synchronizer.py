@@ -42,11 +42,12 @@ def _check_model_layers(num_layers: object) -> None:
 class _ForwardInProgress:
     """The forward pass a thread is running (see NOTE [Who owns a forward pass])."""
 
-    __slots__ = ("current", "finished")
+    __slots__ = ("current", "finished", "backward")
 
     def __init__(self) -> None:
         self.current: ForwardPass | None = None
         self.finished: weakref.ref[ForwardPass] | None = None  # the last pass whose forward ended
+        self.backward: weakref.ref[ForwardPass] | None = None  # the pass backward reached last
 
 
 class OffloadSynchronizer(OffloadEngine):
@@ -264,7 +265,16 @@ class OffloadSynchronizer(OffloadEngine):
         if previous is not None and previous != layer:
             self._release(forward_pass, previous)
         forward_pass.previous_bwd_layer = layer
+        self._forwarding.value.backward = forward_pass.weak
         self._on_backward(forward_pass, layer)
+
+    def note_recompute(self, *layers: int) -> None:
+        """A checkpoint recomputed ``layers`` in this thread's backward: counted for the
+        pass whose layer backward reached last (the step report's, per pass)."""
+        ref = self._forwarding.value.backward
+        forward_pass = ref() if ref is not None else None
+        index = forward_pass.index if forward_pass is not None else None
+        self.recorder.note_recompute(index, *layers)
 
     def finish_part_of_bwd(self, forward_pass: PassRef = None) -> None:
         """Called once at the end of each backward call: release the last layer."""

@@ -197,7 +197,7 @@ class AutoPolicy:
             if not self.hazards[position]:
                 wanted = functools.partial(self._checkpoints, key)
                 at = [j for j, m in enumerate(layers) if m is module]
-                noted = functools.partial(self.synchronizer.recorder.note_recompute, *at)
+                noted = functools.partial(self.synchronizer.note_recompute, *at)
                 self._checkpointing.append(
                     checkpoint_forward(module, wanted, position, self._warned, noted)
                 )

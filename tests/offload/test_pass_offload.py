@@ -52,8 +52,7 @@ def run_order(layers, order: str, k: int | None, keep_passes: int | None = None)
 
 @pytest.mark.usefixtures("streams")
 @pytest.mark.parametrize("name", list(ORDERS))
-@pytest.mark.parametrize("keep_passes", [1, 2], ids=["keep1", "keep2"])
-@pytest.mark.parametrize("k", [0, 1], ids=["k0", "k1"])
+@pytest.mark.parametrize(("keep_passes", "k"), [(1, 1), (2, 0)], ids=["keep1-k1", "keep2-k0"])
 def test_pass_offload_bit_identical_in_pipeline_orders(name, keep_passes, k):
     layers = make_layers("mlp", 4, 32, torch.float32)
     expected, _ = run_order(layers, ORDERS[name], None)
