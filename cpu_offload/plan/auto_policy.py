@@ -35,6 +35,9 @@ NOTE [The automatic policy]
        larger input applies from the next pass.  A checkpointed layer's activations are
        not seen then: its measured bytes are scaled by its inputs'.  A smaller input
        keeps the plan (made for a larger one, it fits).
+    5. A pipeline stage's step ends when a pass starts with no other waiting for its
+       backward: the first step runs with every pass in flight, and the plan is for that
+       many (``keep_passes``: NOTE [A stage's passes in flight] in stage_plan.py).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from .policy_plan import PolicyPlan
 from .policy_search import PolicySearch
 from .profiles import DeviceProfile
 from .schedule_model import LayerCosts
+from .stage_plan import choose_for_stage
 
 __all__ = ["BACKWARD_PER_FORWARD", "AutoPolicy", "budget_context", "modules_budget_context"]
 
@@ -85,13 +89,8 @@ NO_PLAN_WARNING_STEPS = 4
 #: what a layer that did not run in the measured step cannot be (until it runs)
 NOT_MEASURED = "not measured yet (it did not run in the measured step)"
 #: the options a planned context takes (those of get_cpu_offload_context that remain)
-OPTIONS = (
-    "retain_pinned_cpu_buffers",
-    "device",
-    "min_offload_numel",
-    "min_offload_bytes",
-    "max_host_bytes",
-)
+OPTIONS: tuple[str, ...] = ("retain_pinned_cpu_buffers", "device", "min_offload_numel")
+OPTIONS += ("min_offload_bytes", "max_host_bytes")
 
 
 def announce(line: str) -> None:
@@ -166,6 +165,8 @@ class AutoPolicy:
         self._planned: set[int] = set()  # the modules the plan checkpoints
         self._warned: set[str] = set()
         self._hooks: list[RemovableHandle] = []
+        #: the most forward passes in flight at once (a pipeline stage's; step_starts)
+        self.in_flight = 1
         if self.layers is None:
             self.hazards = [[NO_MODULES]] * num_layers
             self.modules: list[int] | None = None
@@ -231,6 +232,10 @@ class AutoPolicy:
 
     def step_starts(self) -> None:
         backend, plan = self.synchronizer.backend, self.plan
+        waiting = len(self.synchronizer.waiting_passes())  # NOTE [A stage's passes in flight]
+        self.in_flight = max(self.in_flight, waiting + 1)
+        if waiting:  # a pipeline stage's step goes on: plans and peaks are per step
+            return
         if plan is not None:
             watch = self._pending is None
             if self.peak.over(backend, plan.predicted.peak_bytes, plan.memory_budget, watch):
@@ -268,11 +273,8 @@ class AutoPolicy:
 
     def layer_measured(self, layer: int, record: MeasuredLayer) -> None:
         if self.measured is not None:
-            self.measured = self._pending = [
-                *self.measured[:layer],
-                record,
-                *self.measured[layer + 1 :],
-            ]
+            found = self.measured
+            self.measured = self._pending = [*found[:layer], record, *found[layer + 1 :]]
         warn_once_per_call_site(
             f"cpu_offload: {self.api}(memory_budget=...): layer {layer}, which did not run "
             f"in the measured step (LayerDrop, a skipped block), ran now and saved "
@@ -340,7 +342,8 @@ class AutoPolicy:
         search = PolicySearch.of_layers(
             costs, *self.link, hazards=hazards, modules=self.modules, names=self.names
         )
-        self._apply(search.choose(self.budget(), self.synchronizer.host_buffers.max_bytes))
+        host_cap = self.synchronizer.host_buffers.max_bytes
+        self._apply(choose_for_stage(search, self.budget(), host_cap, self.in_flight))
         missing = [j for j, r in enumerate(found) if r is None]
         if missing:
             warn_once_per_call_site(
@@ -353,6 +356,7 @@ class AutoPolicy:
     def _apply(self, plan: PolicyPlan) -> None:
         self.plan = plan
         self.synchronizer.schedule([j for j, c in enumerate(plan.policy) if c in OFFLOADED])
+        self.synchronizer.set_keep_passes(plan.keep_passes)
         self._checkpoint(plan.policy)
         said = said_budget(self.memory_budget)
         announce(f"cpu_offload: {self.api}(memory_budget={said}): {plan.line()}")
