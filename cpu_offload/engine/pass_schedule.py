@@ -139,3 +139,24 @@ class PassSchedule:
                 stacklevel=6,
             )
         self.bring_back(forward_pass)
+
+
+def held_on_device(
+    passes: Sequence[ForwardPass], saved: Sequence[int], stays: Sequence[int]
+) -> int:
+    """The bytes of saved activations ``passes`` hold on the device now, by the
+    offloader's counts: per layer ``saved[j]`` (what a measured step saved) while its
+    state has it on the device (not offloaded, being copied, or reloaded), ``stays[j]``
+    (what cannot move) while its data is on the host, nothing once its backward ran or
+    before its forward."""
+    on_host = (LayerState.OFFLOAD_FINISHED,)
+    total = 0
+    for forward_pass in passes:
+        backward_at = forward_pass.previous_bwd_layer
+        done = forward_pass.backward_reached and backward_at is None  # backward over
+        for layer in range(forward_pass.layers_forwarded):
+            if done or (backward_at is not None and layer > backward_at):
+                continue
+            state = forward_pass.made_state(layer)
+            total += stays[layer] if state is not None and state.state in on_host else saved[layer]
+    return total

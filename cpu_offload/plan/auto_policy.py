@@ -35,9 +35,9 @@ NOTE [The automatic policy]
        larger input applies from the next pass.  A checkpointed layer's activations are
        not seen then: its measured bytes are scaled by its inputs'.  A smaller input
        keeps the plan (made for a larger one, it fits).
-    5. A pipeline stage's step ends when a pass starts with no other waiting for its
-       backward: the first step runs with every pass in flight, and the plan is for that
-       many (``keep_passes``: NOTE [A stage's passes in flight] in stage_plan.py).
+    5. A step ends when a pass starts after a backward with no pass waiting for its own;
+       once more passes were in flight than a plan was made for (a pipeline stage's
+       warm-up), it is made again (NOTE [A stage's passes in flight] in stage_plan.py).
 """
 
 from __future__ import annotations
@@ -165,8 +165,7 @@ class AutoPolicy:
         self._planned: set[int] = set()  # the modules the plan checkpoints
         self._warned: set[str] = set()
         self._hooks: list[RemovableHandle] = []
-        #: the most forward passes in flight at once (a pipeline stage's; step_starts)
-        self.in_flight = 1
+        self.in_flight = 1  #: the most forward passes in flight at once (step_starts)
         if self.layers is None:
             self.hazards = [[NO_MODULES]] * num_layers
             self.modules: list[int] | None = None
@@ -234,12 +233,14 @@ class AutoPolicy:
         backend, plan = self.synchronizer.backend, self.plan
         waiting = len(self.synchronizer.waiting_passes())  # NOTE [A stage's passes in flight]
         self.in_flight = max(self.in_flight, waiting + 1)
-        if waiting:  # a pipeline stage's step goes on: plans and peaks are per step
+        if waiting or not self.synchronizer.recorder.steps:  # a step ends with a backward
             return
         if plan is not None:
             watch = self._pending is None
             if self.peak.over(backend, plan.predicted.peak_bytes, plan.memory_budget, watch):
                 self._pending = self.measured
+            elif self.in_flight > plan.in_flight:  # more passes in flight than planned for
+                self._pending = self._pending or self.measured
         if self._pending is not None and (self.optimizer is None or self.optimizer.stepped):
             self._make_plan()
         if self.plan is None:
@@ -369,8 +370,7 @@ class AutoPolicy:
             )
 
     def _checkpoint(self, policy: list[str]) -> None:
-        """Checkpoint the modules ``policy`` checkpoints, and no other (their wrappers
-        are in place: :meth:`attach`)."""
+        """Checkpoint the modules ``policy`` checkpoints, and no other (wrapped: attach)."""
         layers = self.layers or []
         self._planned = {id(layers[j]) for j, c in enumerate(policy) if c in CHECKPOINTED}
 

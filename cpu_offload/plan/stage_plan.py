@@ -8,11 +8,14 @@ NOTE [A stage's passes in flight]
     of forward ``eof``, the step time) and ``keep_passes=N``:
 
     - every pass keeps ``P`` (``N >= n``, or None): ``peak + (n - 1) * eof``;
-    - ``N < n``: the ``N - 1`` kept passes that wait hold ``eof`` each, the moved pass
-      brought back for the next backward holds all it saved (``whole``: every layer, a
-      checkpointed one its inputs), and the ``n - N - 1`` moved passes that wait hold
-      what cannot move (``stays``): ``peak + (N - 1) * eof + whole + (n - N - 1) * stays``
-      (NOTE [Moving a pass whole] in engine/pass_schedule.py).
+    - ``N < n``: a moved pass comes back whole (``whole``: every layer, a checkpointed
+      one its inputs) when it moves up to position ``N - 1``, and holds that until its
+      own backward starts; the ``n - N - 1`` moved passes that wait hold what cannot
+      move (``stays``).  At the first backward the ``N - 1`` kept passes that wait hold
+      ``eof`` each beside one pass brought back: ``peak + (N - 1) * eof + whole``; once
+      the passes in backward are passes brought back, the one in backward and the ``N``
+      that wait are whole: ``(N + 1) * whole``.  The stage's peak is the larger, plus
+      ``(n - N - 1) * stays`` (NOTE [Moving a pass whole] in engine/pass_schedule.py).
 
     A moved pass's copies run behind its own forward and the backward before it; the
     step of a moved pass is ``P``'s plus what of ``(whole - stays) / link`` its forward
@@ -72,7 +75,8 @@ def stage_rows(
             hosts.append(n * results.offloaded_bytes)
         else:
             eof = results.end_of_forward_bytes
-            peaks.append(results.peak_bytes + (keep - 1) * eof + whole + (n - keep - 1) * stays)
+            first = results.peak_bytes + (keep - 1) * eof + whole
+            peaks.append(np.maximum(first, (keep + 1) * whole) + (n - keep - 1) * stays)
             steps.append(results.step_s + (n - keep) / n * exposed)
             hosts.append(keep * results.offloaded_bytes + (n - keep) * moved)
     return tuple(np.concatenate(x) for x in (rows, keeps, peaks, steps, hosts))  # type: ignore[return-value]
