@@ -233,15 +233,14 @@ class AutoPolicy:
         backend, plan = self.synchronizer.backend, self.plan
         waiting = len(self.synchronizer.waiting_passes())  # NOTE [A stage's passes in flight]
         self.in_flight = max(self.in_flight, waiting + 1)
-        if waiting or not self.synchronizer.recorder.steps:  # a step ends with a backward
-            return
-        if plan is not None:
+        over = not waiting and self.synchronizer.recorder.steps > 0  # a step: a backward
+        if plan is not None and over:
             watch = self._pending is None
             if self.peak.over(backend, plan.predicted.peak_bytes, plan.memory_budget, watch):
                 self._pending = self.measured
             elif self.in_flight > plan.in_flight:  # more passes in flight than planned for
                 self._pending = self._pending or self.measured
-        if self._pending is not None and (self.optimizer is None or self.optimizer.stepped):
+        if over and self._pending is not None and (not self.optimizer or self.optimizer.stepped):
             self._make_plan()
         if self.plan is None:
             self._passes_unplanned += 1
@@ -253,7 +252,8 @@ class AutoPolicy:
                     f"checkpointed: {self.why_no_plan or 'no forward ran under the hooks'}. "
                     "This warning is shown once."
                 )
-        self.peak.start(backend, self.plan is not None)
+        if not waiting:  # peaks are per step
+            self.peak.start(backend, self.plan is not None)
 
     @property
     def why_no_plan(self) -> str:
