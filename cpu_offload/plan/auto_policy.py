@@ -242,7 +242,7 @@ class AutoPolicy:
                 self._pending = self._pending or self.measured
         if over and self._pending is not None and (not self.optimizer or self.optimizer.stepped):
             self._make_plan()
-        if self.plan is None:
+        if self.plan is None and not waiting:  # a stage's warm-up is one step
             self._passes_unplanned += 1
             if self._passes_unplanned > NO_PLAN_WARNING_STEPS and not self._said_no_plan:
                 self._said_no_plan = True
