@@ -105,9 +105,7 @@ class OffloadSynchronizer(OffloadEngine):
         self._driven_by_hand: ForwardPass | None = None  # see bwd_step
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
         self._passes_lock = threading.Lock()
-        #: ``keep_passes``: the passes in flight that keep the per-layer schedule, the
-        #: others moved whole (None: every pass keeps it; set by the default schedule)
-        self.keep_passes: int | None = None
+        self.keep_passes: int | None = None  # NOTE [Moving a pass whole] in pass_schedule.py
         self.pass_schedule: PassSchedule | None = None
 
     @property
@@ -128,8 +126,7 @@ class OffloadSynchronizer(OffloadEngine):
         return forward_pass
 
     def waiting_passes(self) -> list[ForwardPass]:
-        """Passes in flight whose backward has not started, oldest first: the backward
-        queue of a pipeline stage (NOTE [Moving a pass whole] in pass_schedule.py)."""
+        """Passes in flight whose backward has not started, oldest first (a stage's queue)."""
         return [p for p in self.in_flight_passes() if not p.backward_reached]
 
     def in_flight_passes(self) -> list[ForwardPass]:
@@ -269,8 +266,7 @@ class OffloadSynchronizer(OffloadEngine):
         self._on_backward(forward_pass, layer)
 
     def note_recompute(self, *layers: int) -> None:
-        """A checkpoint recomputed ``layers`` in this thread's backward: counted for the
-        pass whose layer backward reached last (the step report's, per pass)."""
+        """A checkpoint recomputed ``layers``: for the pass backward reached last here."""
         ref = self._forwarding.value.backward
         forward_pass = ref() if ref is not None else None
         index = forward_pass.index if forward_pass is not None else None
