@@ -89,7 +89,8 @@ class OffloadLayersHandle:
         return self.offload_synchronizer.report(self.policy)
 
     def __repr__(self) -> str:
-        sync, schedule = self.offload_synchronizer, schedule_of(self.policy, self.k, self.auto)
+        sync = self.offload_synchronizer
+        schedule = schedule_of(self.policy, self.k, self.auto, sync.keep_passes)
         return (
             f"OffloadLayersHandle({self.found}; {schedule}; "
             f"{'' if self.modules is None else f'modules={self.modules.given!r}; '}"
@@ -328,7 +329,7 @@ def offload_layers(
     # Inside the hooks: see NOTE [Checkpoint inside the offload context]
     warned: set[str] = set()  # once per handle
     for m in checkpointed:
-        noted = functools.partial(synchronizer.recorder.note_recompute, *positions[id(m)])
+        noted = functools.partial(synchronizer.note_recompute, *positions[id(m)])
         request = checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned, noted)
         handle._hooks.append(request)
     if checkpointed:

@@ -2,8 +2,10 @@
 
 Holds the layer state machine (``transitions.py``, ``layer_state.py``), a layer's data
 and copies (``layer_data.py``), the host pool (``host_buffers.py``), the schedule and the
-synchronizers, forward passes, the engine a context's layer states share, the chunk
-engine of a whole forward, and the context a layer runs in (``layer_context.py``).
+synchronizers (the manual one in ``manual_synchronizer.py``), forward passes and which
+of them move whole (``pass_schedule.py``: ``keep_passes``), the engine a context's layer
+states share, the chunk engine of a whole forward, and the context a layer runs in
+(``layer_context.py``).
 
 May import: report, hooks, device, errors, log.
 """

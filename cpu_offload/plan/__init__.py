@@ -15,6 +15,8 @@
 - :class:`~cpu_offload.plan.auto_policy.AutoPolicy` (``auto_policy.py``): the plan
   chosen for ``offload_layers(model, memory_budget=...)`` from a measured step, applied
   and watched; the core reaches it lazily, so ``import cpu_offload`` loads no planner.
+- :func:`~cpu_offload.plan.stage_plan.choose_for_stage` (``stage_plan.py``): the plan
+  of a pipeline stage with several passes in flight, ``keep_passes`` included.
 
 May import: policy, engine, report, hooks, device, models, cli, log.
 """

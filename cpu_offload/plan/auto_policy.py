@@ -35,6 +35,9 @@ NOTE [The automatic policy]
        larger input applies from the next pass.  A checkpointed layer's activations are
        not seen then: its measured bytes are scaled by its inputs'.  A smaller input
        keeps the plan (made for a larger one, it fits).
+    5. A step ends when a pass starts after a backward with no pass waiting for its own;
+       once more passes were in flight than a plan was made for (a pipeline stage's
+       warm-up), it is made again (NOTE [A stage's passes in flight] in stage_plan.py).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from .policy_plan import PolicyPlan
 from .policy_search import PolicySearch
 from .profiles import DeviceProfile
 from .schedule_model import LayerCosts
+from .stage_plan import choose_for_stage
 
 __all__ = ["BACKWARD_PER_FORWARD", "AutoPolicy", "budget_context", "modules_budget_context"]
 
@@ -85,13 +89,8 @@ NO_PLAN_WARNING_STEPS = 4
 #: what a layer that did not run in the measured step cannot be (until it runs)
 NOT_MEASURED = "not measured yet (it did not run in the measured step)"
 #: the options a planned context takes (those of get_cpu_offload_context that remain)
-OPTIONS = (
-    "retain_pinned_cpu_buffers",
-    "device",
-    "min_offload_numel",
-    "min_offload_bytes",
-    "max_host_bytes",
-)
+OPTIONS: tuple[str, ...] = ("retain_pinned_cpu_buffers", "device", "min_offload_numel")
+OPTIONS += ("min_offload_bytes", "max_host_bytes")
 
 
 def announce(line: str) -> None:
@@ -166,6 +165,7 @@ class AutoPolicy:
         self._planned: set[int] = set()  # the modules the plan checkpoints
         self._warned: set[str] = set()
         self._hooks: list[RemovableHandle] = []
+        self.in_flight = 1  #: the most forward passes in flight at once (step_starts)
         if self.layers is None:
             self.hazards = [[NO_MODULES]] * num_layers
             self.modules: list[int] | None = None
@@ -197,7 +197,7 @@ class AutoPolicy:
             if not self.hazards[position]:
                 wanted = functools.partial(self._checkpoints, key)
                 at = [j for j, m in enumerate(layers) if m is module]
-                noted = functools.partial(self.synchronizer.recorder.note_recompute, *at)
+                noted = functools.partial(self.synchronizer.note_recompute, *at)
                 self._checkpointing.append(
                     checkpoint_forward(module, wanted, position, self._warned, noted)
                 )
@@ -231,13 +231,18 @@ class AutoPolicy:
 
     def step_starts(self) -> None:
         backend, plan = self.synchronizer.backend, self.plan
-        if plan is not None:
+        waiting = len(self.synchronizer.waiting_passes())  # NOTE [A stage's passes in flight]
+        self.in_flight = max(self.in_flight, waiting + 1)
+        over = not waiting and self.synchronizer.recorder.steps > 0  # a step: a backward
+        if plan is not None and over:
             watch = self._pending is None
             if self.peak.over(backend, plan.predicted.peak_bytes, plan.memory_budget, watch):
                 self._pending = self.measured
-        if self._pending is not None and (self.optimizer is None or self.optimizer.stepped):
+            elif self.in_flight > plan.in_flight:  # more passes in flight than planned for
+                self._pending = self._pending or self.measured
+        if over and self._pending is not None and (not self.optimizer or self.optimizer.stepped):
             self._make_plan()
-        if self.plan is None:
+        if self.plan is None and not waiting:  # a stage's warm-up is one step
             self._passes_unplanned += 1
             if self._passes_unplanned > NO_PLAN_WARNING_STEPS and not self._said_no_plan:
                 self._said_no_plan = True
@@ -247,7 +252,8 @@ class AutoPolicy:
                     f"checkpointed: {self.why_no_plan or 'no forward ran under the hooks'}. "
                     "This warning is shown once."
                 )
-        self.peak.start(backend, self.plan is not None)
+        if not waiting:  # peaks are per step
+            self.peak.start(backend, self.plan is not None)
 
     @property
     def why_no_plan(self) -> str:
@@ -268,11 +274,8 @@ class AutoPolicy:
 
     def layer_measured(self, layer: int, record: MeasuredLayer) -> None:
         if self.measured is not None:
-            self.measured = self._pending = [
-                *self.measured[:layer],
-                record,
-                *self.measured[layer + 1 :],
-            ]
+            found = self.measured
+            self.measured = self._pending = [*found[:layer], record, *found[layer + 1 :]]
         warn_once_per_call_site(
             f"cpu_offload: {self.api}(memory_budget=...): layer {layer}, which did not run "
             f"in the measured step (LayerDrop, a skipped block), ran now and saved "
@@ -340,7 +343,8 @@ class AutoPolicy:
         search = PolicySearch.of_layers(
             costs, *self.link, hazards=hazards, modules=self.modules, names=self.names
         )
-        self._apply(search.choose(self.budget(), self.synchronizer.host_buffers.max_bytes))
+        host_cap = self.synchronizer.host_buffers.max_bytes
+        self._apply(choose_for_stage(search, self.budget(), host_cap, self.in_flight))
         missing = [j for j, r in enumerate(found) if r is None]
         if missing:
             warn_once_per_call_site(
@@ -353,6 +357,7 @@ class AutoPolicy:
     def _apply(self, plan: PolicyPlan) -> None:
         self.plan = plan
         self.synchronizer.schedule([j for j, c in enumerate(plan.policy) if c in OFFLOADED])
+        self.synchronizer.set_keep_passes(plan.keep_passes)
         self._checkpoint(plan.policy)
         said = said_budget(self.memory_budget)
         announce(f"cpu_offload: {self.api}(memory_budget={said}): {plan.line()}")
@@ -365,8 +370,7 @@ class AutoPolicy:
             )
 
     def _checkpoint(self, policy: list[str]) -> None:
-        """Checkpoint the modules ``policy`` checkpoints, and no other (their wrappers
-        are in place: :meth:`attach`)."""
+        """Checkpoint the modules ``policy`` checkpoints, and no other (wrapped: attach)."""
         layers = self.layers or []
         self._planned = {id(layers[j]) for j, c in enumerate(policy) if c in CHECKPOINTED}
 

@@ -12,7 +12,7 @@ from ..policy.policy import (
     KEEP,
     OFFLOAD,
 )
-from ..report.policy_words import describe_policy, policy_runs
+from ..report.policy_words import describe_policy, pass_policy_words, policy_runs
 from .schedule_model import LayerCosts, PlanRow
 
 __all__ = ["PolicyPlan", "size"]
@@ -56,6 +56,10 @@ class PolicyPlan:
         host_bytes: what the policy holds in host memory, with the pool's reserve.
         binding: when nothing fits, the limit that binds: ``"memory_budget"`` or
             ``"max_host_bytes"`` (a policy fits the device but not the host); else "".
+        in_flight: the forward passes in flight the plan was made for (a pipeline
+            stage's; NOTE [A stage's passes in flight] in stage_plan.py); 1 elsewhere.
+        keep_passes: of those, how many keep ``policy``, the others moved whole; None:
+            every pass keeps it.  Pass both to ``offload_layers``.
     """
 
     policy: list[str]
@@ -70,14 +74,22 @@ class PolicyPlan:
     host_cap: int | None = None
     host_bytes: int = 0
     binding: str = ""
+    in_flight: int = 1
+    keep_passes: int | None = None
 
     def blocks(self) -> list[tuple[int, int, str]]:
         """``(first layer, last layer, choice)`` for each run of equal choices."""
         return policy_runs(self.policy)
 
     def runs(self) -> str:
-        """The policy as runs of layers: ``"0-5 offload, 6-7 checkpoint, 8-31 keep"``."""
-        return describe_policy(self.policy)
+        """The policy as runs of layers: ``"0-5 offload, 6-7 checkpoint, 8-31 keep"``, and
+        with passes in flight what each does: ``"...; keep 1 pass, 3 of 4 moved whole"``."""
+        runs = describe_policy(self.policy)
+        if self.in_flight <= 1:
+            return runs
+        if self.keep_passes is None:
+            return f"{runs}; every pass of {self.in_flight} in flight"
+        return f"{runs}; {pass_policy_words(self.keep_passes, self.in_flight)}"
 
     def line(self) -> str:
         """One line: the runs, the predicted peak against the budget, the overhead."""

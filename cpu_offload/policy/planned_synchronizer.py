@@ -137,11 +137,13 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
     def layer_is_offloaded(self, layer: int) -> bool:
         # Observed layers run with their state's hooks too: layer 0, and every layer of
         # a measured pass, and a layer not measured yet (NOTE [Measuring a step]).
+        current = self.current_pass
         return (
             layer in self._offloaded
             or layer == 0
             or layer in self.unmeasured
-            or self.measuring(self.current_pass)
+            or self.measuring(current)
+            or (current is not None and current.moved_whole)
         )
 
     def skip_layer(self) -> None:

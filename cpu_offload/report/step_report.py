@@ -384,11 +384,15 @@ class StepRecorder:
     def __init__(self) -> None:
         self.steps = 0
         self._last: StepRecord | None = None
-        self._recomputed: set[int] = set()  # in the backward under way
+        # per forward pass (its index), the layers recomputed in its backward so far
+        self._recomputed: dict[int | None, set[int]] = {}
 
-    def note_recompute(self, *layers: int) -> None:
-        """A checkpoint recomputed ``layers`` (one module at each) in the backward under way."""
-        self._recomputed.update(layers)
+    def note_recompute(self, forward_pass: int | None, *layers: int) -> None:
+        """A checkpoint recomputed ``layers`` (one module at each) in the backward of
+        ``forward_pass`` (its index; None: the backward under way, whichever pass it
+        is).  Counted per pass: one pass's backward may interleave with another's
+        (interleaved and zero-bubble pipeline schedules, one backward through two passes)."""
+        self._recomputed.setdefault(forward_pass, set()).update(layers)
 
     def last_choices(self) -> list[str] | None:
         """The policy the last step ran under, where it changes between steps."""
@@ -396,8 +400,10 @@ class StepRecorder:
 
     def publish(self, record: StepRecord) -> None:
         """``record``'s step has ended (NOTE [What a step is])."""
-        if self._recomputed:
-            record.recomputed, self._recomputed = self._recomputed, set()
+        recomputed = self._recomputed.pop(record.forward_pass, set())
+        recomputed |= self._recomputed.pop(None, set())
+        if recomputed:
+            record.recomputed = recomputed
         self._last = record
         self.steps += 1
 

@@ -148,3 +148,25 @@ def test_the_outputs_a_selective_checkpoint_moves_are_counted(monkeypatch, quiet
     )
     assert row.kept_because == {"marked not to offload": (1, 8 * 16 * 4)}
     assert ctx.report().to_dict()["copied_bytes"] == 8 * 16 * 4
+
+
+def test_recomputes_are_counted_per_pass_when_backwards_interleave():
+    """One backward through two passes in flight (as interleaved and zero-bubble pipeline
+    schedules interleave their backwards): each pass's step reports its own recomputes."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Block() for _ in range(3))
+    recomputed = recompute_counter(layers)
+    policy = ["offload", "checkpoint", "keep"]
+    with offload_layers(layers, policy=policy, min_offload_numel=0) as handle:
+        outs = []
+        for seed in range(2):
+            h = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed))
+            for layer in layers:
+                h = layer(h.requires_grad_() if not h.requires_grad else h)
+            outs.append(h)
+        (outs[0].sum() + outs[1].sum()).backward()
+        reports = handle.offload_synchronizer.recorder.steps
+        report = handle.report()
+    assert recomputed[1] == 2 and reports == 2  # layer 1 of each pass, two steps ended
+    assert [row.recomputed for row in report.rows] == [None, True, None]
+    assert report.to_dict()["recomputed_layers"] == 1
