@@ -29,7 +29,7 @@ from .node import Node, host_memory_argument
 from .pipeline import SCHEDULES, PipelinePlan, plan_pipeline
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
-from .profiles import PROFILES, get_profile, with_flops
+from .profiles import PROFILES, DeviceProfile, get_profile, with_flops
 from .schedule_model import LayerCosts, PlanRow
 
 GIB = 2**30
@@ -442,6 +442,26 @@ def check_pipeline(cli: Parser, args: argparse.Namespace, num_layers: int) -> in
     return num_layers // stages
 
 
+def plan_stages(
+    args: argparse.Namespace, profile: LayerProfile, device: DeviceProfile, layers: int
+) -> PipelinePlan:
+    """Every stage's plan (``--pipeline-stages``), printed; ``layers``: one stage's."""
+    stages = plan_pipeline(
+        LayerCosts.of(profile, device),
+        layers * args.pipeline_stages * args.virtual_stages,
+        device.d2h,
+        device.h2d,
+        ranks=args.pipeline_stages,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        memory_budget=args.memory_budget,
+        overhead_budget=args.overhead,
+    )
+    print_stages(stages)
+    return stages
+
+
 def print_stages(plan: PipelinePlan) -> None:
     """One row per stage: the chosen policy, the stage without offload, and today's
     layer-k offload at the same peak."""
@@ -562,21 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host_cap=node.cap_per_rank,
     )
     print_plan(plan, spec.description, node)
-    stages = None
-    if args.pipeline_stages:
-        stages = plan_pipeline(
-            LayerCosts.of(profile, device),
-            num_layers * args.pipeline_stages * args.virtual_stages,
-            device.d2h,
-            device.h2d,
-            ranks=args.pipeline_stages,
-            microbatches=args.microbatches,
-            schedule=args.schedule,
-            virtual_stages=args.virtual_stages,
-            memory_budget=budget,
-            overhead_budget=args.overhead,
-        )
-        print_stages(stages)
+    stages = plan_stages(args, profile, device, num_layers) if args.pipeline_stages else None
     if args.json:
         with open(args.json, "w") as file:
             document = to_json(plan, spec.description, node)
