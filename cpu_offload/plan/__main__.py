@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ..cli import (
     Parser,
     at_least,
@@ -26,7 +28,7 @@ from .census import ATTENTIONS, LayerProfile, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
 from .module_search import ModuleSearch
 from .node import Node, host_memory_argument
-from .pipeline import SCHEDULES, PipelinePlan, plan_pipeline
+from .pipeline import SCHEDULES, PipelinePlan, gradient_accumulation_s, plan_pipeline
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
 from .profiles import PROFILES, DeviceProfile, get_profile, with_flops
@@ -443,9 +445,15 @@ def check_pipeline(cli: Parser, args: argparse.Namespace, num_layers: int) -> in
 
 
 def plan_stages(
-    args: argparse.Namespace, profile: LayerProfile, device: DeviceProfile, layers: int
+    args: argparse.Namespace,
+    spec: LayerSpec,
+    profile: LayerProfile,
+    device: DeviceProfile,
+    layers: int,
 ) -> PipelinePlan:
     """Every stage's plan (``--pipeline-stages``), printed; ``layers``: one stage's."""
+    with torch.device("meta"):
+        accumulate_s = layers * gradient_accumulation_s(spec.make_layer(), device)
     stages = plan_pipeline(
         LayerCosts.of(profile, device),
         layers * args.pipeline_stages * args.virtual_stages,
@@ -457,6 +465,7 @@ def plan_stages(
         virtual_stages=args.virtual_stages,
         memory_budget=args.memory_budget,
         overhead_budget=args.overhead,
+        accumulate_s=accumulate_s,
     )
     print_stages(stages)
     return stages
@@ -582,7 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host_cap=node.cap_per_rank,
     )
     print_plan(plan, spec.description, node)
-    stages = plan_stages(args, profile, device, num_layers) if args.pipeline_stages else None
+    stages = plan_stages(args, spec, profile, device, num_layers) if args.pipeline_stages else None
     if args.json:
         with open(args.json, "w") as file:
             document = to_json(plan, spec.description, node)

@@ -48,8 +48,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..engine.schedule import schedule_points
+from .profiles import DeviceProfile
 from .schedule_model import LayerCosts, first_k
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "StagePolicy",
     "StageRow",
     "arrivals",
+    "gradient_accumulation_s",
     "in_flight",
     "plan_pipeline",
     "rank_orders",
@@ -186,18 +189,36 @@ def in_flight(order: Sequence[Action]) -> int:
     return most
 
 
-def durations(kind: str, forward_s: float, backward_s: float) -> float:
-    """An action's compute time, from its stage's forward and backward."""
-    if kind == FORWARD:
+def durations(
+    action: Action, forward_s: float, backward_s: float, accumulate_s: float = 0.0
+) -> float:
+    """An action's compute time, from its stage's forward and backward, and the time to
+    add its gradients to those of the micro-batches before (the first's are stored)."""
+    if action.kind == FORWARD:
         return forward_s
-    return backward_s if kind == BACKWARD else backward_s / 2
+    added = accumulate_s if action.microbatch > 0 and action.kind != INPUT else 0.0
+    return (backward_s if action.kind == BACKWARD else backward_s / 2) + added
+
+
+def gradient_accumulation_s(layer: Any, device: DeviceProfile) -> float:
+    """Time to add one micro-batch's parameter gradients of ``layer`` (a module, on the
+    meta device) to ``.grad``: one kernel per parameter reading both and writing one."""
+    return sum(
+        device.kernel_seconds(p.numel(), 3 * p.numel() * p.element_size())
+        for p in layer.parameters()
+        if p.requires_grad
+    )
 
 
 def arrivals(
-    orders: Sequence[Sequence[Action]], forward_s: float, backward_s: float
+    orders: Sequence[Sequence[Action]],
+    forward_s: float,
+    backward_s: float,
+    accumulate_s: float = 0.0,
 ) -> list[list[float]]:
     """When each action's input arrives, in the schedule without offload (NOTE [The
-    stage model]): per rank, one time per action of its order (0 where it needs none)."""
+    stage model]): per rank, one time per action of its order (0 where it needs none).
+    ``accumulate_s``: a stage's time to add a micro-batch's gradients (after the first)."""
     last_stage = max(a.stage for order in orders for a in order)
     ends: dict[tuple[str, int, int], float] = {}
     ready: list[list[float]] = [[0.0] * len(order) for order in orders]
@@ -214,7 +235,7 @@ def arrivals(
                 arrival = ends[need] if need is not None else 0.0
                 ready[rank][position[rank]] = arrival
                 start = max(clock[rank], arrival)
-                clock[rank] = start + durations(action.kind, forward_s, backward_s)
+                clock[rank] = start + durations(action, forward_s, backward_s, accumulate_s)
                 kind = BACKWARD if action.kind == INPUT else action.kind
                 ends[(kind, action.microbatch, action.stage)] = clock[rank]
                 position[rank] += 1
@@ -347,10 +368,11 @@ def simulate_stage(
     policy: StagePolicy,
     d2h_bytes_per_s: float,
     h2d_bytes_per_s: float,
+    accumulate_s: float = 0.0,
 ) -> StageRow:
     """Run one rank's ``order`` of actions (each waiting for its input's arrival,
     ``ready``) with ``policy`` on each of its stages of ``layers`` layers (NOTE [The stage
-    model])."""
+    model]); ``accumulate_s``: the stage's time to add a micro-batch's gradients."""
     each = costs.per_layer(layers) if isinstance(costs, LayerCosts) else list(costs)
     run = _Stage(each, d2h_bytes_per_s, h2d_bytes_per_s)
     layer_policy = first_k(layers, policy.k)
@@ -369,6 +391,7 @@ def simulate_stage(
             _forward(run, passes, key, action)
         elif action.kind == WEIGHT:
             run.compute += sum(c.backward_s for c in each) / 2
+            run.compute += accumulate_s if action.microbatch > 0 else 0.0
             for layer in range(layers):
                 run.hold(passes[key], layer, 0)
             del passes[key]
@@ -376,6 +399,8 @@ def simulate_stage(
         else:
             _prefetch_whole(run, passes, key, action.chunk, policy.keep_passes)
             _backward(run, passes, key, action)
+            if action.kind == BACKWARD and action.microbatch > 0:
+                run.compute += accumulate_s
             if action.kind == BACKWARD:
                 del passes[key]
     return StageRow(
@@ -571,9 +596,13 @@ def plan_pipeline(
     virtual_stages: int = 2,
     memory_budget: int | None = None,
     overhead_budget: float = 0.02,
+    pass_offload: bool = True,
+    accumulate_s: float = 0.0,
 ) -> PipelinePlan:
     """Plan every stage of ``num_layers`` layers split evenly over ``ranks`` (times the
-    stages per rank), for ``schedule``'s order (NOTE [The stage model])."""
+    stages per rank), for ``schedule``'s order (NOTE [The stage model]); without
+    ``pass_offload``, the per-layer policies only (no ``keep_passes``); ``accumulate_s``:
+    a stage's time to add a micro-batch's gradients (:func:`gradient_accumulation_s`)."""
     virtual = {"interleaved": virtual_stages, "zbv": 2}.get(schedule, 1)
     if num_layers % (ranks * virtual):
         raise ValueError(
@@ -583,15 +612,23 @@ def plan_pipeline(
     layers = num_layers // (ranks * virtual)
     orders = rank_orders(schedule, ranks, microbatches, virtual_stages)
     each = costs.per_layer(layers)
-    ready = arrivals(orders, sum(c.forward_s for c in each), sum(c.backward_s for c in each))
+    forward_s, backward_s = sum(c.forward_s for c in each), sum(c.backward_s for c in each)
+    ready = arrivals(orders, forward_s, backward_s, accumulate_s)
     stages = []
     for rank, order in enumerate(orders):
         count = in_flight(order)
         rows = {
             policy: simulate_stage(
-                order, ready[rank], each, layers, policy, d2h_bytes_per_s, h2d_bytes_per_s
-            )
-            for policy in candidates(layers, count)
+                order,
+                ready[rank],
+                each,
+                layers,
+                policy,
+                d2h_bytes_per_s,
+                h2d_bytes_per_s,
+                accumulate_s,
+            )  # fmt: skip
+            for policy in candidates(layers, count if pass_offload else 1)
         }
         policy, fits = choose(rows, memory_budget, overhead_budget)
         chosen = rows[policy]
