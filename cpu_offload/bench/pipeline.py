@@ -173,7 +173,7 @@ def _forward(
     x: torch.Tensor,
     name: str,
     outputs: dict[tuple[int, int], torch.Tensor],
-    params: list[torch.nn.Parameter],
+    params: list[torch.Tensor],
 ) -> torch.Tensor:
     """One pass's forward with a memory mark at each layer boundary."""
 
