@@ -243,7 +243,7 @@ def print_pipeline(simulation: PipelineSimulation) -> None:
         "order through the offload code (modeled) beside the stage model (predicted)"
     )
     header = (
-        f"{'stage':>5} {'in flight':>9}  {'policy':<52} {'step ms model':>13} {'plan':>8} "
+        f"{'stage':>5} {'in flight':>9}  {'policy':<66} {'step ms model':>13} {'plan':>8} "
         f"{'diff':>7} {'peak GiB':>8} {'plan':>6} {'diff':>7} {'exposed ms':>10} {'plan':>7}"
     )
     print(header)
@@ -253,7 +253,7 @@ def print_pipeline(simulation: PipelineSimulation) -> None:
         peak = m.counted_peak_bytes
         print(
             f"{stage.plan.stage:>5} {stage.plan.in_flight:>9}  "
-            f"{stage.plan.policy.words(stage.plan.layers):<52} {m.step_s * 1e3:>13.1f} "
+            f"{stage.plan.policy.words(stage.plan.layers):<66} {m.step_s * 1e3:>13.1f} "
             f"{p.step_s * 1e3:>8.1f} {_difference(m.step_s, p.step_s):>+7.2%} "
             f"{peak / GIB:>8.3f} {p.peak_bytes / GIB:>6.3f} "
             f"{_difference(peak, p.peak_bytes):>+7.2%} {stage.exposed_copy_s * 1e3:>10.1f} "

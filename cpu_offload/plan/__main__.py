@@ -481,7 +481,7 @@ def print_stages(plan: PipelinePlan) -> None:
         "stage; PREDICTED by the stage model (docs/pipeline.md)"
     )
     header = (
-        f"{'stage':>5} {'in flight':>9}  {'policy':<56} {'peak GiB':>8} {'step ms':>8} "
+        f"{'stage':>5} {'in flight':>9}  {'policy':<66} {'peak GiB':>8} {'step ms':>8} "
         f"{'fits':>4} | {'no offload GiB':>14} {'ms':>7} | {'layer-k':>7} {'GiB':>6} {'ms':>7}"
     )
     print(header)
@@ -489,7 +489,7 @@ def print_stages(plan: PipelinePlan) -> None:
     for stage in plan.stages:
         row, without, today = stage.predicted, stage.without, stage.layer_k
         print(
-            f"{stage.stage:>5} {stage.in_flight:>9}  {stage.policy.words(stage.layers):<56} "
+            f"{stage.stage:>5} {stage.in_flight:>9}  {stage.policy.words(stage.layers):<66} "
             f"{row.peak_bytes / GIB:>8.2f} {row.step_s * 1e3:>8.1f} "
             f"{'yes' if stage.fits else 'NO':>4} | {without.peak_bytes / GIB:>14.2f} "
             f"{without.step_s * 1e3:>7.1f} | {'k=' + str(stage.layer_k_policy.k):>7} "
