@@ -15,7 +15,8 @@ from . import testing
 from .context import get_cpu_offload_context
 from .engine.layer_context import OffloadContext
 from .engine.layer_state import OffloadableLayerState
-from .engine.synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
+from .engine.manual_synchronizer import ManualOffloadSynchronizer
+from .engine.synchronizer import DefaultOffloadSynchronizer
 from .engine.transitions import LayerState
 from .errors import CpuOffloadError, OffloadStateError
 from .hooks.autograd_hooks import is_cpu_offload_enabled

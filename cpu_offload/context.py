@@ -13,10 +13,8 @@ from typing import Any, Literal, overload
 import torch
 
 from .engine.layer_context import OffloadContext
-from .engine.synchronizer import (
-    DefaultOffloadSynchronizer,
-    ManualOffloadSynchronizer,
-)
+from .engine.manual_synchronizer import ManualOffloadSynchronizer
+from .engine.synchronizer import DefaultOffloadSynchronizer
 from .hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .log import logger, warn
 
@@ -95,6 +93,7 @@ def get_cpu_offload_context(
     min_offload_bytes: int = ...,
     max_host_bytes: int | str | None = ...,
     offloaded_layers: Sequence[int] | None = ...,
+    keep_passes: int | None = ...,
 ) -> tuple[ContextManager, SyncFn]: ...
 
 
@@ -134,6 +133,7 @@ def get_cpu_offload_context(
     min_offload_bytes: int = ...,
     max_host_bytes: int | str | None = ...,
     offloaded_layers: Sequence[int] | None = ...,
+    keep_passes: int | None = ...,
 ) -> _Result: ...
 
 
@@ -153,6 +153,7 @@ def get_cpu_offload_context(
     min_offload_bytes: int = 0,
     max_host_bytes: int | str | None = None,
     offloaded_layers: Sequence[int] | None = None,
+    keep_passes: int | None = None,
 ) -> _Result:
     """Offload the activations of chosen layers to host memory.
 
@@ -186,6 +187,12 @@ def get_cpu_offload_context(
         offloaded_layers: which layers to offload, in place of the first ``num_layers``
             (any layers but the last; the default schedule, see
             :class:`DefaultOffloadSynchronizer`).
+        keep_passes: for pipeline stages, where several forward passes are in flight:
+            the ``N`` passes whose backwards come next keep the schedule above, and
+            every other pass is moved whole to the host (all its layers, the last
+            included) and prefetched back when the backward of an older pass starts.
+            None (default): every pass keeps the schedule.  An int >= 1; not with
+            manual synchronization.
 
     Returns:
         ``(context, sync_fn)``, or ``(context, sync_fn, controller)`` in manual mode.
@@ -238,6 +245,12 @@ def get_cpu_offload_context(
             return contextlib.nullcontext(), identity, None
         return contextlib.nullcontext(), identity
     if manual_synchronization:
+        if keep_passes is not None:
+            raise ValueError(
+                f"cpu_offload: keep_passes={keep_passes!r} chooses which passes the default "
+                "schedule moves whole; with manual_synchronization=True you call the "
+                "transitions yourself. Pass one or the other."
+            )
         controller = ManualOffloadSynchronizer(
             model_layers,
             retain_pinned_cpu_buffers,
@@ -259,6 +272,7 @@ def get_cpu_offload_context(
         min_offload_bytes=min_offload_bytes,
         max_host_bytes=max_host_bytes,
         offloaded_layers=offloaded_layers,
+        keep_passes=keep_passes,
     )
     context = OffloadContext(synchronizer)
     logger.info("get_cpu_offload_context: %r", context)

@@ -89,7 +89,8 @@ class OffloadLayersHandle:
         return self.offload_synchronizer.report(self.policy)
 
     def __repr__(self) -> str:
-        sync, schedule = self.offload_synchronizer, schedule_of(self.policy, self.k, self.auto)
+        sync = self.offload_synchronizer
+        schedule = schedule_of(self.policy, self.k, self.auto, sync.keep_passes)
         return (
             f"OffloadLayersHandle({self.found}; {schedule}; "
             f"{'' if self.modules is None else f'modules={self.modules.given!r}; '}"

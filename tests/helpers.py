@@ -27,6 +27,17 @@ class MLPBlock(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
+#: emulated pipeline orders of one stage: F<i> the forward of micro-batch i, B<i> its backward
+PIPELINE_ORDERS = {
+    "1f1b": "F0 F1 F2 B0 F3 B1 B2 B3",
+    "1f1b-deep": "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5",
+    "gpipe": "F0 F1 F2 F3 B0 B1 B2 B3",
+    "reverse": "F0 F1 F2 F3 B3 B2 B1 B0",
+    "interleaved": "F0 F1 B1 F2 B0 F3 B3 B2",
+    "one-at-a-time": "F0 B0 F1 B1 F2 B2",
+}
+
+
 def make_layers(kind: str, num_layers: int, width: int, dtype: torch.dtype) -> nn.ModuleList:
     torch.manual_seed(0)
     if kind == "mlp":

@@ -42,6 +42,9 @@ class ForwardPass:
             forwards after that).
         hooked_output: the latest tensor ``sync_fn`` hooked (weak), and
         hooked_layers: the layers whose backward starts at its node.
+        moved_whole: every layer of the pass goes to the host, the last included
+            (``keep_passes``: NOTE [Moving a pass whole] in pass_schedule.py), and
+        brought_back: whether its reload has started.
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class ForwardPass:
         #: between steps (for the step report)
         self.end_of_forward: Measured | None = None
         self.choices: list[str] | None = None
+        self.moved_whole = False
+        self.brought_back = False
 
     def state(self, layer: int) -> OffloadableLayerState:
         """The state of ``layer``, made when first asked for: a layer that is not

@@ -20,7 +20,7 @@ from ..device.host_cap import host_cap_bytes
 from ..device.runtime import get_backend
 from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from ..report.copy_timer import CopyTimer
-from ..report.policy_words import describe_policy
+from ..report.policy_words import describe_policy, pass_policy_words
 from ..report.stats import OffloadStats
 from ..report.step_record import Measured, StepRecord
 from ..report.step_report import StepRecorder, StepReport
@@ -73,6 +73,8 @@ class OffloadEngine:
     #: controller decides); set by the synchronizers, named in reports
     model_layers = 0
     offloaded_layers: list[int] | None = None
+    #: the passes in flight that keep the schedule, the others moved whole (None: all)
+    keep_passes: int | None = None
 
     #: what a layer reloaded on demand in its first backward tells the user to do (None:
     #: such a reload is expected, and silent)
@@ -173,6 +175,8 @@ class OffloadEngine:
             chosen = set(offloaded)
             policy = ["offload" if i in chosen else "keep" for i in range(self.model_layers)]
             schedule = f"layers {describe_policy(policy)} (k={len(offloaded)})"
+            if self.keep_passes is not None:
+                schedule += f"; {pass_policy_words(self.keep_passes)}"
         return (
             f"{self.model_layers} layers per forward pass, {schedule}; {self.thresholds()}; "
             f"device {self.backend.device}"

@@ -25,10 +25,11 @@ from ..log import warn
 from .forward_pass import ForwardPass
 from .layer_state import OffloadableLayerState
 from .offload_engine import OffloadEngine
+from .pass_schedule import PassSchedule, check_keep_passes
 from .schedule import check_offloaded_layers, max_offloaded, schedule_points
 from .transitions import LayerState
 
-__all__ = ["DefaultOffloadSynchronizer", "ManualOffloadSynchronizer", "OffloadSynchronizer"]
+__all__ = ["DefaultOffloadSynchronizer", "OffloadSynchronizer", "PassRef"]
 
 PassRef = ForwardPass | int | None
 
@@ -103,6 +104,10 @@ class OffloadSynchronizer(OffloadEngine):
         self._driven_by_hand: ForwardPass | None = None  # see bwd_step
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
         self._passes_lock = threading.Lock()
+        #: ``keep_passes``: the passes in flight that keep the per-layer schedule, the
+        #: others moved whole (None: every pass keeps it; set by the default schedule)
+        self.keep_passes: int | None = None
+        self.pass_schedule: PassSchedule | None = None
 
     @property
     def num_layers(self) -> int:
@@ -113,11 +118,18 @@ class OffloadSynchronizer(OffloadEngine):
 
     def _new_pass(self) -> ForwardPass:
         forward_pass = ForwardPass(self.model_layers, self.new_layer_state)
+        if self.pass_schedule is not None:
+            self.pass_schedule.pass_starts(forward_pass, self.waiting_passes())
         with self._passes_lock:
             self._passes = [ref for ref in self._passes if ref() is not None]
             self._passes.append(weakref.ref(forward_pass))
             self.stats.forward_passes += 1
         return forward_pass
+
+    def waiting_passes(self) -> list[ForwardPass]:
+        """Passes in flight whose backward has not started, oldest first: the backward
+        queue of a pipeline stage (NOTE [Moving a pass whole] in pass_schedule.py)."""
+        return [p for p in self.in_flight_passes() if not p.backward_reached]
 
     def in_flight_passes(self) -> list[ForwardPass]:
         """Forward passes whose graphs are alive, oldest first (not a pass left between
@@ -242,6 +254,8 @@ class OffloadSynchronizer(OffloadEngine):
         if not forward_pass.backward_reached:
             # A forward that ended early ends here: the next fwd_step starts a new pass.
             forward_pass.backward_reached = True
+            if self.pass_schedule is not None:
+                self.pass_schedule.backward_starts(forward_pass, self.waiting_passes())
             if forward_pass._token is None and forward_pass is self.current_pass:
                 # Driven by hand (no context, no graph holds the pass): keep it until
                 # finish_part_of_bwd, as TransformerEngine's synchronizer keeps its states.
@@ -306,6 +320,9 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         offloaded_layers: which layers to offload instead of the first ``k`` (a
             :func:`~cpu_offload.offload_layers` policy's ``offload`` and
             ``checkpoint+offload`` layers); ``num_offloaded_layers`` is then ignored.
+        keep_passes: of the forward passes in flight, the ``N`` whose backwards come
+            next keep this schedule and the others are moved whole, all layers (NOTE
+            [Moving a pass whole] in pass_schedule.py); None (default): every pass keeps it.
         retain_pinned_cpu_buffers, offload_stream, device, min_offload_numel,
             min_offload_bytes, max_host_bytes: as for :class:`OffloadSynchronizer`.
     """
@@ -322,8 +339,10 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         min_offload_bytes: int = 0,
         max_host_bytes: int | str | None = None,
         offloaded_layers: Sequence[int] | None = None,
+        keep_passes: int | None = None,
     ) -> None:
         _check_model_layers(num_layers)
+        check_keep_passes(keep_passes)
         if offloaded_layers is not None:
             chosen = check_offloaded_layers(offloaded_layers, num_layers)
             num_offloaded_layers = len(chosen)
@@ -359,17 +378,36 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         for layer, (release, reload) in schedule_points(num_layers, self.offloaded_layers).items():
             self.release_schedule[release].append(layer)
             self.reload_schedule[reload].append(layer)
+        self.set_keep_passes(keep_passes)
+
+    def set_keep_passes(self, keep_passes: int | None) -> None:
+        """Keep the per-layer schedule for the ``keep_passes`` passes in flight whose
+        backwards come next and move the others whole, from the next pass on (None:
+        every pass keeps it); NOTE [Moving a pass whole] in pass_schedule.py."""
+        self.keep_passes = check_keep_passes(keep_passes)
+        self.pass_schedule = (
+            None if self.keep_passes is None else PassSchedule(self.keep_passes, self.stats)
+        )
 
     def layer_is_offloaded(self, layer: int) -> bool:
-        return layer in self._offloaded
+        if layer in self._offloaded:
+            return True
+        current = self.current_pass
+        return current is not None and current.moved_whole
 
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
+        if forward_pass.moved_whole:
+            PassSchedule.on_forward(forward_pass, layer)
+            return
         if layer >= 1 and layer - 1 in self._offloaded:
             forward_pass.state(layer - 1).start_offload()
         for released in self.release_schedule[layer]:
             forward_pass.state(released).release_activation_forward_gpu_memory()
 
     def _on_forward_end(self, forward_pass: ForwardPass) -> None:
+        if forward_pass.moved_whole:
+            PassSchedule.on_forward_end(forward_pass)
+            return
         if not self.warn_if_nothing_moved or self.num_offloaded_layers == 0:
             return
         states = [forward_pass.state(layer) for layer in self.offloaded_layers]
@@ -392,59 +430,3 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             state = forward_pass.state(reloaded)
             if state.state is LayerState.OFFLOAD_FINISHED:
                 state.start_reload()
-
-
-class ManualOffloadSynchronizer(OffloadSynchronizer):
-    """Nothing happens by itself: the user calls the three transitions.
-
-    A layer none of them was called for keeps its tensors on the device. Each
-    method takes an optional ``forward_pass`` (a :class:`ForwardPass` or its index);
-    by default the latest pass in flight is used.
-
-    Example:
-        >>> from cpu_offload import get_cpu_offload_context
-        >>> import torch
-        >>> layers = [torch.nn.Linear(64, 64) for _ in range(3)]
-        >>> ctx, sync_fn, controller = get_cpu_offload_context(
-        ...     True, model_layers=3, manual_synchronization=True, min_offload_numel=0)
-        >>> x = torch.randn(8, 64, requires_grad=True)
-        >>> for i, layer in enumerate(layers):
-        ...     with ctx:
-        ...         x = layer(x).relu()
-        ...     x = sync_fn(x)
-        ...     controller.start_offload_layer(i)
-        >>> for i in range(3):
-        ...     controller.release_activation_forward_gpu_memory(i)
-        >>> for i in reversed(range(3)):
-        ...     controller.start_reload_layer(i)
-        >>> x.sum().backward()
-    """
-
-    reload_advice = "Call start_reload_layer(i) before backward reaches the layer to prefetch it."
-
-    def start_offload_layer(self, layer_id: int, forward_pass: PassRef = None) -> None:
-        """Queue the copies of a layer's saved tensors to the host."""
-        self._state(layer_id, forward_pass).start_offload()
-
-    def release_activation_forward_gpu_memory(
-        self, layer_id: int, forward_pass: PassRef = None
-    ) -> None:
-        """Drop the layer's device tensors once their copies have finished."""
-        self._state(layer_id, forward_pass).release_activation_forward_gpu_memory()
-
-    def start_reload_layer(self, layer_id: int, forward_pass: PassRef = None) -> None:
-        """Queue the copies of a layer's tensors back to the device."""
-        self._state(layer_id, forward_pass).start_reload()
-
-    def _state(self, layer_id: int, forward_pass: PassRef) -> OffloadableLayerState:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(
-                f"cpu_offload: layer_id must be an int in [0, {self.model_layers - 1}], got "
-                f"{type(layer_id).__name__} {layer_id!r}."
-            )
-        if not 0 <= layer_id < self.model_layers:
-            raise ValueError(
-                f"cpu_offload: layer_id must be an int in [0, {self.model_layers - 1}], "
-                f"got {layer_id!r}."
-            )
-        return self.resolve_pass(forward_pass).state(layer_id)

@@ -38,6 +38,8 @@ _HOOK_MODULES = (
     "cpu_offload.engine.host_buffers",
     "cpu_offload.engine.layer_data",
     "cpu_offload.engine.layer_state",
+    "cpu_offload.engine.manual_synchronizer",
+    "cpu_offload.engine.pass_schedule",
     "cpu_offload.log",
     "cpu_offload.hooks.marks",
     "cpu_offload.policy.measured_step",

@@ -74,6 +74,8 @@ class OffloadActivations(ChunkedOffload):
         chunk_bytes, device, max_host_bytes, retain_pinned_cpu_buffers: as for
             :class:`~cpu_offload.chunked.ChunkedOffload` (by default chunks grow with the
             forward: all but about an eighth of what it saves moves, from the first step).
+        keep_passes: refused (``offload_layers``' word): every forward in flight already
+            moves all but its last chunk.
 
     Attributes:
         param_storages: what :meth:`update_model_params` recorded (TRL's attribute).
@@ -103,7 +105,15 @@ class OffloadActivations(ChunkedOffload):
         device: Any = None,
         max_host_bytes: int | str | None = None,
         retain_pinned_cpu_buffers: bool = False,
+        keep_passes: int | None = None,
     ) -> None:
+        if keep_passes is not None:
+            raise TypeError(
+                f"OffloadActivations: keep_passes={keep_passes!r} is for the per-layer "
+                "schedule of offload_layers() and get_cpu_offload_context(); a whole-forward "
+                "context already moves every forward in flight but its last chunk. Leave "
+                "keep_passes out, or use offload_layers(layers, k, keep_passes=N)."
+            )
         for name, flag in (("use_pin_memory", use_pin_memory), ("use_streams", use_streams)):
             if not isinstance(flag, bool):
                 raise TypeError(f"OffloadActivations: {name} must be a bool, got {flag!r}.")

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from torch import nn
 
-from ..report.policy_words import describe_policy
+from ..report.policy_words import describe_policy, pass_policy_words
 from .memory_budget import said_budget
 
 __all__ = ["BudgetPolicy", "found_layers", "schedule_of"]
@@ -36,8 +36,21 @@ def found_layers(layers: Sequence[nn.Module], where: str, owner: str) -> str:
     return found if where == "the list given" else f"{found} of {owner}"
 
 
-def schedule_of(policy: Sequence[str] | None, k: int | None, budget: BudgetPolicy | None) -> str:
-    """The handle's schedule in words: ``"layers 0-1 offload, 2-3 keep (k=2)"``."""
+def schedule_of(
+    policy: Sequence[str] | None,
+    k: int | None,
+    budget: BudgetPolicy | None,
+    keep_passes: int | None = None,
+) -> str:
+    """The handle's schedule in words: ``"layers 0-1 offload, 2-3 keep (k=2)"``, and
+    ``"; keep 1 pass, others moved whole"`` with ``keep_passes``."""
+    said = _layer_schedule(policy, k, budget)
+    return f"{said}; {pass_policy_words(keep_passes)}" if keep_passes is not None else said
+
+
+def _layer_schedule(
+    policy: Sequence[str] | None, k: int | None, budget: BudgetPolicy | None
+) -> str:
     if budget is not None:
         said = said_budget(budget.memory_budget)
         chosen = budget.policy

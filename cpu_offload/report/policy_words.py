@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["describe_policy", "policy_runs"]
+__all__ = ["describe_policy", "pass_policy_words", "policy_runs"]
 
 
 def policy_runs(policy: Sequence[str]) -> list[tuple[int, int, str]]:
@@ -28,3 +28,18 @@ def describe_policy(policy: Sequence[str]) -> str:
         f"{first} {choice}" if first == last else f"{first}-{last} {choice}"
         for first, last, choice in policy_runs(policy)
     )
+
+
+def pass_policy_words(keep_passes: int | None, in_flight: int | None = None) -> str:
+    """What ``keep_passes`` does, in words: ``"keep 1 pass, others moved whole"``; with
+    ``in_flight`` (the most passes a stage holds), ``"keep 1 pass, 3 of 4 moved whole"``
+    or ``"keep 2 passes (all 2 in flight)"``; ``""`` for None (every pass keeps the
+    per-layer policy)."""
+    if keep_passes is None:
+        return ""
+    kept = f"keep {keep_passes} pass{'' if keep_passes == 1 else 'es'}"
+    if in_flight is None:
+        return f"{kept}, others moved whole"
+    if in_flight <= keep_passes:
+        return f"{kept} (all {in_flight} in flight)"
+    return f"{kept}, {in_flight - keep_passes} of {in_flight} moved whole"

@@ -18,6 +18,7 @@ class OffloadStats:
         bytes_reloaded: bytes copied host to device.
         on_demand_reloads: layers reloaded by a pop because no reload was scheduled.
         forward_passes: forward passes started.
+        passes_moved_whole: forward passes moved whole to the host (``keep_passes``).
         tensors_kept_by_host_cap: tensors left on the device because the host buffer
             pool was at ``max_host_bytes`` or the host refused to give it more, and
         bytes_kept_by_host_cap: their bytes.
@@ -31,6 +32,7 @@ class OffloadStats:
     bytes_reloaded: int = 0
     on_demand_reloads: int = 0
     forward_passes: int = 0
+    passes_moved_whole: int = 0
     tensors_kept_by_host_cap: int = 0
     bytes_kept_by_host_cap: int = 0
     host_allocations_failed: int = 0
@@ -41,6 +43,7 @@ class OffloadStats:
             f"moved {self.tensors_offloaded} tensors ({self.bytes_offloaded / 2**20:.2f} MiB) "
             f"to the host and {self.tensors_reloaded} ({self.bytes_reloaded / 2**20:.2f} MiB) "
             f"back in {self.forward_passes} forward passes"
+            + (f" ({self.passes_moved_whole} moved whole)" if self.passes_moved_whole else "")
             + (f", {self.on_demand_reloads} reloaded on demand" if self.on_demand_reloads else "")
             + (
                 f", {self.tensors_kept_by_host_cap} kept on the device by max_host_bytes"

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import PIPELINE_ORDERS as ORDERS
 from helpers import assert_bit_identical, forward, make_input, make_layers
 
 from cpu_offload import CpuOffloadError, LayerState, get_cpu_offload_context
 
 pytestmark = pytest.mark.usefixtures("streams")
-
-ORDERS = {
-    "1f1b": "F0 F1 F2 B0 F3 B1 B2 B3",
-    "1f1b-deep": "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5",
-    "gpipe": "F0 F1 F2 F3 B0 B1 B2 B3",
-    "reverse": "F0 F1 F2 F3 B3 B2 B1 B0",
-    "interleaved": "F0 F1 B1 F2 B0 F3 B3 B2",
-    "one-at-a-time": "F0 B0 F1 B1 F2 B2",
-}
 
 
 def run_order(layers, order: str, offloaded: int | None) -> list[torch.Tensor]:

@@ -1,0 +1,141 @@
+"""Offload by pass: which forward passes in flight move whole, and when they come back.
+
+With ``keep_passes=N`` (``get_cpu_offload_context``, ``offload_layers``), of the forward
+passes in flight in one context the ``N`` whose backwards come next run the per-layer
+schedule (``schedule.py``); every other pass is *moved whole*.  Pipeline schedules
+(1F1B, GPipe, interleaved) run a stage's backwards in the order of its forwards, so the
+passes whose backwards come next are the oldest ones.
+
+NOTE [Moving a pass whole]
+    A pass is moved whole when, as its first layer's forward starts, ``N`` or more older
+    passes wait for their backward (their backward has not started): its position in the
+    backward queue is ``N`` or more.  All its layers are offloaded, the last included:
+    at the forward of layer ``j`` the copy of layer ``j - 1`` starts and layer ``j - 2``
+    is released (its copy had a layer's forward to run behind); at the end of the pass's
+    forward the last layer's copy starts and the last two layers are released, so that
+    the device holds nothing of the pass afterwards.  When the backward of an older pass
+    starts, the queue moves up: each moved pass whose position is now below ``N`` starts
+    the reload of all its layers (last layer first, the order its backward needs them),
+    and is resident before its own backward starts.  A backward that reaches a moved
+    pass not brought back (the schedule ran a younger pass's backward first: reverse or
+    interleaved orders) reloads that pass on demand, counted in
+    ``stats.on_demand_reloads``, warned once.  Every copy is the per-layer mechanism's
+    (``layer_state.py``): what a pass moves whole computes what it computes kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..log import warn
+from ..report.stats import OffloadStats
+from .forward_pass import ForwardPass
+from .transitions import LayerState
+
+__all__ = ["PassSchedule", "check_keep_passes", "moves_whole"]
+
+
+def check_keep_passes(keep_passes: object, owner: str = "cpu_offload") -> int | None:
+    """``keep_passes`` after checking it is None or an int >= 1 (TypeError, ValueError)."""
+    if keep_passes is None:
+        return None
+    if isinstance(keep_passes, bool) or not isinstance(keep_passes, int):
+        raise TypeError(
+            f"{owner}: keep_passes must be an int >= 1 (the forward passes in flight that "
+            f"keep the per-layer schedule) or None, got {type(keep_passes).__name__} "
+            f"{keep_passes!r}."
+        )
+    if keep_passes < 1:
+        raise ValueError(
+            f"{owner}: keep_passes must be an int >= 1 (the forward passes in flight that "
+            f"keep the per-layer schedule; the pass whose backward is next always does), "
+            f"got {keep_passes!r}. Pass None to offload every pass by the per-layer schedule."
+        )
+    return keep_passes
+
+
+def moves_whole(position: int, keep_passes: int | None) -> bool:
+    """Whether a pass at ``position`` in the backward queue (0: its backward is next) moves
+    whole under ``keep_passes`` (None: no pass does)."""
+    return keep_passes is not None and position >= keep_passes
+
+
+class PassSchedule:
+    """The schedule of passes moved whole (NOTE [Moving a pass whole]).
+
+    Args:
+        keep_passes: ``N``, the passes in flight that keep the per-layer schedule.
+        stats: the context's counters (``passes_moved_whole``, ``on_demand_reloads``).
+    """
+
+    def __init__(self, keep_passes: int, stats: OffloadStats) -> None:
+        self.keep_passes = keep_passes
+        self.stats = stats
+        self._warned = False
+
+    def pass_starts(self, forward_pass: ForwardPass, waiting: Sequence[ForwardPass]) -> None:
+        """``forward_pass`` starts its forward behind ``waiting`` (older passes whose
+        backward has not started): it moves whole if its position is ``N`` or more."""
+        forward_pass.moved_whole = moves_whole(len(waiting), self.keep_passes)
+        if forward_pass.moved_whole:
+            self.stats.passes_moved_whole += 1
+
+    @staticmethod
+    def on_forward(forward_pass: ForwardPass, layer: int) -> None:
+        """The forward of ``layer`` of a moved pass starts."""
+        if layer >= 1:
+            forward_pass.state(layer - 1).start_offload()
+        if layer >= 2:
+            forward_pass.state(layer - 2).release_activation_forward_gpu_memory()
+
+    @staticmethod
+    def on_forward_end(forward_pass: ForwardPass) -> None:
+        """The forward of a moved pass ended: its last layer goes too."""
+        last = forward_pass.model_layers - 1
+        forward_pass.state(last).start_offload()
+        for layer in range(max(last - 1, 0), last + 1):
+            forward_pass.state(layer).release_activation_forward_gpu_memory()
+
+    def backward_starts(self, forward_pass: ForwardPass, waiting: Sequence[ForwardPass]) -> None:
+        """The backward of ``forward_pass`` starts; ``waiting``: the passes whose
+        backward has not started, oldest first.  A moved pass not brought back is
+        reloaded now; the moved passes that move up to a position below ``N`` start
+        coming back."""
+        if forward_pass.moved_whole and not forward_pass.brought_back:
+            self._reload_on_demand(forward_pass)
+        for queued in waiting[: self.keep_passes]:
+            if queued.moved_whole and not queued.brought_back:
+                self.bring_back(queued)
+
+    @staticmethod
+    def bring_back(forward_pass: ForwardPass) -> None:
+        """Start the reload of every layer of a moved pass, last layer first."""
+        forward_pass.brought_back = True
+        for layer in reversed(range(forward_pass.layers_forwarded)):
+            state = forward_pass.made_state(layer)
+            if state is not None and state.state is LayerState.OFFLOAD_FINISHED:
+                state.start_reload()
+
+    def _reload_on_demand(self, forward_pass: ForwardPass) -> None:
+        for layer in reversed(range(forward_pass.layers_forwarded)):
+            state = forward_pass.made_state(layer)
+            if state is None:
+                continue
+            if state.state is LayerState.OFFLOAD_STARTED:  # its forward just ended
+                state.release_activation_forward_gpu_memory()
+            if state.state is LayerState.OFFLOAD_FINISHED and state.holds_data():
+                self.stats.on_demand_reloads += 1
+        if not self._warned and forward_pass.layers_forwarded:
+            self._warned = True
+            warn(
+                f"cpu_offload: the backward of forward pass {forward_pass.index} started "
+                f"before the backward of an older pass in flight; with keep_passes="
+                f"{self.keep_passes} it had been moved whole to the host, and is reloaded "
+                "now, without overlap with compute. keep_passes expects each pass's "
+                "backward in the order of the forwards (1F1B, GPipe); raise keep_passes to "
+                "the passes in flight, or pass None, for other orders. This warning is "
+                "shown once.",
+                UserWarning,
+                stacklevel=6,
+            )
+        self.bring_back(forward_pass)

@@ -1,0 +1,189 @@
+"""Offload by pass (``keep_passes``): passes beyond the ``N`` whose backwards come next move
+whole, and come back before their backward (NOTE [Moving a pass whole] in pass_schedule.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import PIPELINE_ORDERS as ORDERS
+from helpers import assert_bit_identical, forward, make_input, make_layers
+
+from cpu_offload import LayerState, get_cpu_offload_context, offload_layers
+from cpu_offload.testing import timed_runtime
+
+#: orders that run each pass's backward in the order of the forwards
+FIFO = ("1f1b", "1f1b-deep", "gpipe", "one-at-a-time")
+
+
+def moved_whole_in(order: str, keep_passes: int) -> int:
+    """Passes of ``order`` that start with ``keep_passes`` or more older passes waiting
+    for their backward: the passes the schedule moves whole."""
+    waiting: list[str] = []
+    moved = 0
+    for step in order.split():
+        if step[0] == "F":
+            moved += len(waiting) >= keep_passes
+            waiting.append(step[1:])
+        else:
+            waiting.remove(step[1:])
+    return moved
+
+
+def run_order(layers, order: str, k: int | None, keep_passes: int | None = None):
+    """The gradients after ``order``, and the context (None without offload)."""
+    layers.zero_grad(set_to_none=True)
+    ctx = sync_fn = None
+    if k is not None:
+        ctx, sync_fn = get_cpu_offload_context(
+            True, k, len(layers), min_offload_numel=0, keep_passes=keep_passes
+        )
+    outputs = {}
+    for step in order.split():
+        micro = int(step[1:])
+        if step[0] == "F":
+            x = make_input("mlp", 32, torch.float32, seed=micro).requires_grad_()
+            outputs[micro] = forward(layers, x, ctx, sync_fn)
+        else:
+            outputs.pop(micro).square().mean().backward()
+    return [p.grad.clone() for p in layers.parameters()], ctx
+
+
+@pytest.mark.usefixtures("streams")
+@pytest.mark.parametrize("name", list(ORDERS))
+@pytest.mark.parametrize("keep_passes", [1, 2], ids=["keep1", "keep2"])
+@pytest.mark.parametrize("k", [0, 1], ids=["k0", "k1"])
+def test_pass_offload_bit_identical_in_pipeline_orders(name, keep_passes, k):
+    layers = make_layers("mlp", 4, 32, torch.float32)
+    expected, _ = run_order(layers, ORDERS[name], None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual, ctx = run_order(layers, ORDERS[name], k, keep_passes)
+    assert_bit_identical(expected, actual)
+    synchronizer = ctx.offload_synchronizer
+    stats = synchronizer.stats
+    assert synchronizer.get_offloaded_total_size_mb() == 0  # nothing left on the host
+    assert synchronizer.in_flight_passes() == []
+    assert synchronizer.host_memory_stats()["in_use_bytes"] == 0
+    moved = moved_whole_in(ORDERS[name], keep_passes)
+    assert stats.passes_moved_whole == moved
+    # a moved pass copies every layer: 4 layers x (input, hidden, activation) of 16 rows
+    assert stats.tensors_offloaded >= 12 * moved
+    assert stats.tensors_offloaded == stats.tensors_reloaded
+    on_demand = [w for w in caught if "keep_passes" in str(w.message)]
+    if name in FIFO:  # each moved pass came back, prefetched, before its backward
+        assert stats.on_demand_reloads == 0 and not on_demand
+    elif moved:  # a younger pass's backward first: reloaded on demand, said once
+        assert stats.on_demand_reloads > 0 and len(on_demand) == 1
+
+
+@pytest.mark.usefixtures("streams")
+def test_passes_beyond_keep_move_whole_and_come_back_before_their_backward():
+    layers = make_layers("mlp", 4, 32, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 1, 4, min_offload_numel=0, keep_passes=1)
+    synchronizer = ctx.offload_synchronizer
+    outs = [
+        forward(layers, make_input("mlp", 32, torch.float32, s).requires_grad_(), ctx, sync_fn)
+        for s in range(3)
+    ]  # 1F1B's warm-up on the first of four stages: F0 F1 F2
+    first, second, third = synchronizer.in_flight_passes()
+    states = [[s.state for s in p.layer_states] for p in (first, second, third)]
+    done, kept = LayerState.OFFLOAD_FINISHED, LayerState.NOT_OFFLOADED
+    assert states[0] == [done, kept, kept, kept]  # the per-layer schedule, k=1
+    assert states[1] == states[2] == [done] * 4  # moved whole, the last layer included
+    assert not first.moved_whole and second.moved_whole and third.moved_whole
+    whole = sum(s.get_offloaded_total_size_mb() for s in second.layer_states)
+    assert second.get_offloaded_total_size_mb() == whole == 4 * first.get_offloaded_total_size_mb()
+    outs[0].square().mean().backward()  # B0: the next pass comes back, the other waits
+    assert [s.state for s in second.layer_states] == [LayerState.RELOAD_STARTED] * 4
+    assert [s.state for s in third.layer_states] == [done] * 4
+    outs[1].square().mean().backward()
+    assert [s.state for s in third.layer_states] == [LayerState.RELOAD_STARTED] * 4
+    outs[2].square().mean().backward()
+    assert synchronizer.stats.on_demand_reloads == 0
+    assert synchronizer.stats.passes_moved_whole == 2
+
+
+def test_a_moved_pass_holds_on_the_device_only_what_its_graph_holds_outside():
+    """On the modeled accelerator (shapes only): in 1F1B's warm-up, a pass kept holds its
+    activations, a pass moved whole only its input (a leaf) and its output."""
+    width, rows = 256, 512
+    layers = [
+        torch.nn.Sequential(torch.nn.Linear(width, width, device="meta"), torch.nn.ReLU())
+        for _ in range(4)
+    ]
+    activation = rows * width * 4
+
+    def warm_up(keep_passes):
+        grown = []
+        with timed_runtime("h100") as run:
+            memory = run.live.memory
+            ctx, sync_fn = get_cpu_offload_context(
+                True, 0, 4, min_offload_numel=0, keep_passes=keep_passes
+            )
+            outs = []
+            for _ in range(3):
+                before = memory.allocated
+                x = torch.empty(rows, width, device="meta", requires_grad=True)
+                outs.append(forward(layers, x, ctx, sync_fn))
+                memory.poll()
+                grown.append(memory.allocated - before)
+            for out in outs:
+                out.sum().backward()
+        return grown
+
+    # without moving: the input, and 4 layers' ReLU outputs (the last one is the output)
+    assert warm_up(None) == [5 * activation] * 3
+    assert warm_up(1) == [5 * activation, 2 * activation, 2 * activation]
+    assert warm_up(2) == [5 * activation, 5 * activation, 2 * activation]
+
+
+def test_offload_layers_takes_keep_passes():
+    layers = make_layers("mlp", 4, 32, torch.float32)
+    expected, _ = run_order(layers, ORDERS["gpipe"], None)
+    layers.zero_grad(set_to_none=True)
+    with offload_layers(layers, 1, min_offload_numel=0, keep_passes=1) as handle:
+        assert "keep 1 pass, others moved whole" in repr(handle)
+        outs = [layers_out(layers, s) for s in range(4)]
+        for out in outs:
+            out.square().mean().backward()
+        stats = handle.offload_synchronizer.stats
+    assert_bit_identical(expected, [p.grad.clone() for p in layers.parameters()])
+    assert stats.passes_moved_whole == 3 and stats.on_demand_reloads == 0
+
+
+def layers_out(layers, seed):
+    x = make_input("mlp", 32, torch.float32, seed=seed).requires_grad_()
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "said"),
+    [
+        (0, ValueError, "got 0"),
+        (-2, ValueError, "got -2"),
+        (1.5, TypeError, "got float 1.5"),
+        (True, TypeError, "got bool True"),
+        ("2", TypeError, "got str '2'"),
+    ],
+)
+def test_keep_passes_refused_with_what_was_typed(value, error, said):
+    with pytest.raises(error, match=f"keep_passes must be an int >= 1.*{said}"):
+        get_cpu_offload_context(True, 1, 4, keep_passes=value)
+    with pytest.raises(error, match=f"keep_passes must be an int >= 1.*{said}"):
+        offload_layers(make_layers("mlp", 4, 32, torch.float32), 1, keep_passes=value)
+
+
+def test_keep_passes_refused_with_manual_synchronization():
+    with pytest.raises(ValueError, match="keep_passes=1 chooses which passes"):
+        get_cpu_offload_context(True, model_layers=4, manual_synchronization=True, keep_passes=1)
+
+
+def test_offload_activations_refuses_keep_passes():
+    from cpu_offload.integrations.torchtune import OffloadActivations
+
+    with pytest.raises(TypeError, match="OffloadActivations: keep_passes=2 is for the per-layer"):
+        OffloadActivations(keep_passes=2)
