@@ -19,7 +19,6 @@ NOTE [A pipeline stage on the modeled accelerator]
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,14 +43,9 @@ from ..testing import TimedReport, timed_runtime
 from .config import BenchConfig
 from .simulate import stack_of
 
-__all__ = ["ModeledStage", "PipelineSimulation", "modeled_stage", "run_pipeline", "takes_passes"]
+__all__ = ["ModeledStage", "PipelineSimulation", "modeled_stage", "run_pipeline"]
 
 GIB = 2**30
-
-
-def takes_passes() -> bool:
-    """Whether ``offload_layers`` offloads by pass (``keep_passes=``)."""
-    return "keep_passes" in inspect.signature(offload_layers).parameters
 
 
 @dataclass
@@ -214,7 +208,7 @@ def run_pipeline(
         costs, config.layers, device.d2h, device.h2d, ranks=ranks, microbatches=microbatches,
         schedule=schedule, virtual_stages=per_rank,
         memory_budget=None if budget is None else int(budget * GIB),
-        pass_offload=takes_passes(), accumulate_s=accumulate_s,
+        accumulate_s=accumulate_s,
     )  # fmt: skip
     orders = rank_orders(schedule, ranks, microbatches, per_rank)
     each = costs.per_layer(per_stage)

@@ -308,11 +308,10 @@ class _Pass:
         self.resident = [0] * layers
         self.copy_done: dict[int, float] = {}
         self.reload_done: dict[int, float] = {}
-        self.offloaded = list(range(layers)) if whole else [
-            j for j, c in enumerate(policy) if c != "keep"
-        ]  # fmt: skip
-        self.points = {} if whole else schedule_points(layers, self.offloaded)
+        offloaded = [j for j, c in enumerate(policy) if c != "keep"]
+        self.points = {} if whole else schedule_points(layers, offloaded)
         self.back = False  # a whole pass: its reload has started
+        self.started = False  # its backward has started
 
 
 class _Stage:
@@ -349,15 +348,21 @@ class _Stage:
         self.peak = max(self.peak, self.total)
         self.log.append((label, self.total))
 
-    def free_copied(self, passes: dict[tuple[int, int], _Pass]) -> None:
-        """Release the layers of whole passes whose copies are done by now."""
-        for state in passes.values():
-            if state.whole and not state.back:
-                for layer, done in list(state.copy_done.items()):
-                    if done <= self.compute:
-                        cost = self.costs[layer]
-                        self.hold(state, layer, cost.saved_bytes - cost.offloaded_bytes)
-                        del state.copy_done[layer]
+    def offload(self, state: _Pass, chunk: int, layer: int) -> None:
+        """Start the copy of ``layer`` to the host."""
+        state.copy_done[layer] = self.copy(chunk, "d2h", self.costs[layer].offloaded_bytes)
+
+    def release(self, state: _Pass, layer: int) -> None:
+        """The compute stream waits for the layer's copy; its device memory goes."""
+        self.wait_for(state.copy_done.pop(layer))
+        cost = self.costs[layer]
+        self.hold(state, layer, cost.saved_bytes - cost.offloaded_bytes)
+
+    def reload(self, state: _Pass, chunk: int, layer: int) -> None:
+        """Start the copy of ``layer`` back (its device memory is allocated now)."""
+        nbytes = self.costs[layer].offloaded_bytes
+        state.reload_done[layer] = self.copy(chunk, "h2d", nbytes)
+        self.hold(state, layer, state.resident[layer] + nbytes)
 
 
 def simulate_stage(
@@ -384,11 +389,11 @@ def simulate_stage(
             run.compute = arrival
         key = (action.chunk, action.microbatch)
         if action.kind == FORWARD:
-            queue = [p for (c, _), p in passes.items() if c == action.chunk]
-            whole = policy.keep_passes is not None and len(queue) >= policy.keep_passes
+            waiting = _waiting(passes, action.chunk, key)
+            whole = policy.keep_passes is not None and len(waiting) >= policy.keep_passes
             whole_count += whole
             passes[key] = _Pass(layers, whole, layer_policy)
-            _forward(run, passes, key, action)
+            _forward(run, passes[key], action)
         elif action.kind == WEIGHT:
             run.compute += sum(c.backward_s for c in each) / 2
             run.compute += accumulate_s if action.microbatch > 0 else 0.0
@@ -397,11 +402,11 @@ def simulate_stage(
             del passes[key]
             run.note(f"W{action.microbatch}.{action.chunk}")
         else:
-            _prefetch_whole(run, passes, key, action.chunk, policy.keep_passes)
-            _backward(run, passes, key, action)
-            if action.kind == BACKWARD and action.microbatch > 0:
-                run.compute += accumulate_s
+            passes[key].started = True
+            _backward_starts(run, passes, key, action.chunk, policy.keep_passes)
+            _backward(run, passes[key], action)
             if action.kind == BACKWARD:
+                run.compute += accumulate_s if action.microbatch > 0 else 0.0
                 del passes[key]
     return StageRow(
         peak_bytes=run.peak,
@@ -414,75 +419,66 @@ def simulate_stage(
     )
 
 
-def _forward(
-    run: _Stage, passes: dict[tuple[int, int], _Pass], key: tuple[int, int], action: Action
-) -> None:
-    state, each, L = passes[key], run.costs, len(run.costs)
+def _waiting(passes: dict[tuple[int, int], _Pass], chunk: int, key: tuple[int, int]) -> list[_Pass]:
+    """The passes of the chunk's stage whose backward has not started, oldest first."""
+    return [p for k, p in passes.items() if k[0] == chunk and k != key and not p.started]
+
+
+def _forward(run: _Stage, state: _Pass, action: Action) -> None:
+    """One pass's forward: a kept pass by the default schedule, a pass moved whole copying
+    layer ``j - 1`` and releasing layer ``j - 2`` as layer ``j`` starts, and its last two
+    layers as its forward ends (NOTE [Moving a pass whole] in engine/pass_schedule.py)."""
+    each, L = run.costs, len(run.costs)
     released_at = {release: layer for layer, (release, _) in state.points.items()}
     for j in range(L):
-        run.free_copied(passes)
-        if j >= 1 and (j - 1) in state.offloaded:
-            state.copy_done[j - 1] = run.copy(action.chunk, "d2h", each[j - 1].offloaded_bytes)
-        if j in released_at:
-            i = released_at[j]
-            run.wait_for(state.copy_done.pop(i))
-            run.hold(state, i, each[i].saved_bytes - each[i].offloaded_bytes)
+        if state.whole:
+            if j >= 1:
+                run.offload(state, action.chunk, j - 1)
+            if j >= 2:
+                run.release(state, j - 2)
+        else:
+            if j >= 1 and (j - 1) in state.points:
+                run.offload(state, action.chunk, j - 1)
+            if j in released_at:
+                run.release(state, released_at[j])
         run.compute += each[j].forward_s
         run.hold(state, j, each[j].saved_bytes)
+        if state.whole and j == L - 1:
+            run.offload(state, action.chunk, L - 1)
+            for layer in range(max(L - 2, 0), L):
+                run.release(state, layer)
         run.note(f"F{action.microbatch}.{action.chunk} forward {j}")
-    if state.whole:
-        state.copy_done[L - 1] = run.copy(action.chunk, "d2h", each[L - 1].offloaded_bytes)
 
 
-def _prefetch_whole(
+def _backward_starts(
     run: _Stage,
     passes: dict[tuple[int, int], _Pass],
     key: tuple[int, int],
     chunk: int,
     keep: int | None,
 ) -> None:
-    """The backward of ``key`` starts: whole passes of its stage whose place in the queue
-    drops below ``keep`` come back, every layer, last layer first."""
+    """The backward of ``key`` starts: a pass moved whole and not brought back comes back
+    now (on demand), and the passes moved whole whose place in the queue drops below
+    ``keep`` start coming back, every layer, last layer first."""
     if keep is None:
         return
-    queue = [k for k in passes if k[0] == chunk and k != key]
-    for position, other in enumerate(queue):
-        state = passes[other]
-        if position < keep and state.whole and not state.back:
+    for state in [passes[key], *_waiting(passes, chunk, key)[:keep]]:
+        if state.whole and not state.back:
             state.back = True
             for layer in reversed(range(len(run.costs))):
-                nbytes = run.costs[layer].offloaded_bytes
-                if layer in state.copy_done:  # its copy is still going: kept
-                    state.copy_done.pop(layer)
-                    state.reload_done[layer] = 0.0
-                    continue
-                state.reload_done[layer] = run.copy(chunk, "h2d", nbytes)
-                run.hold(state, layer, state.resident[layer] + nbytes)
+                run.reload(state, chunk, layer)
 
 
-def _backward(
-    run: _Stage, passes: dict[tuple[int, int], _Pass], key: tuple[int, int], action: Action
-) -> None:
-    state, each, L = passes[key], run.costs, len(run.costs)
-    if state.whole and not state.back:  # reloaded on demand
-        state.back = True
-        for layer in reversed(range(L)):
-            if layer in state.copy_done:
-                state.copy_done.pop(layer)
-                state.reload_done[layer] = 0.0
-                continue
-            state.reload_done[layer] = run.copy(action.chunk, "h2d", each[layer].offloaded_bytes)
-            run.hold(state, layer, state.resident[layer] + each[layer].offloaded_bytes)
+def _backward(run: _Stage, state: _Pass, action: Action) -> None:
+    """One pass's backward (ZB-V's ``I``: everything stays until ``W``)."""
+    each, L = run.costs, len(run.costs)
     reloaded_at = {reload: layer for layer, (_, reload) in state.points.items()}
-    split = action.kind == INPUT  # ZB-V: everything stays until W
+    split = action.kind == INPUT
     for j in reversed(range(L)):
-        run.free_copied(passes)
         if j + 1 < L and not split:
             run.hold(state, j + 1, 0)
         if j in reloaded_at:
-            i = reloaded_at[j]
-            state.reload_done[i] = run.copy(action.chunk, "h2d", each[i].offloaded_bytes)
-            run.hold(state, i, state.resident[i] + each[i].offloaded_bytes)
+            run.reload(state, action.chunk, reloaded_at[j])
         if j in state.reload_done:
             run.wait_for(state.reload_done[j])
         run.compute += each[j].backward_s / (2 if split else 1)

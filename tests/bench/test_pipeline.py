@@ -8,7 +8,6 @@ import json
 import pytest
 
 from cpu_offload.bench.main import main
-from cpu_offload.bench.pipeline import takes_passes
 
 GIB = 2**30
 FIELDS = {
@@ -78,10 +77,26 @@ def test_pipeline_flags_are_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_offload_by_pass_is_planned_where_the_offloader_takes_it():
-    """The modeled run asks for keep_passes only where offload_layers takes it."""
-    import inspect
-
-    from cpu_offload.layer_hooks import offload_layers
-
-    assert takes_passes() == ("keep_passes" in inspect.signature(offload_layers).parameters)
+def test_passes_moved_whole_come_back_behind_an_older_pass_backward(tmp_path):
+    """GPipe keeps 8 passes on each of 2 stages; on a GH200's link the plan keeps one pass
+    and moves the others whole (keep_passes=1), the offloader runs it on the modeled
+    device, both agree, and the trace shows pass 1 (both layers, 392 MiB) coming back
+    while pass 0's backward computes."""
+    paths = {name: tmp_path / name for name in ("pipe.json", "trace.json")}
+    argv = [*SMALL[:-1], "gh200", "--pipeline-stages", "2", "--microbatches", "8"]
+    argv += ["--schedule", "gpipe", "--memory-budget", "1"]
+    argv += ["--json", str(paths["pipe.json"]), "--trace", str(paths["trace.json"])]
+    assert main(argv) == 0
+    stages = json.loads(paths["pipe.json"].read_text())["pipeline"]
+    assert [s["keep_passes"] for s in stages] == [1, 1]
+    for stage in stages:
+        assert stage["in_flight"] == 8 and stage["modeled_peak_bytes"] <= GIB
+        assert stage["modeled_step_s"] == pytest.approx(stage["predicted_step_s"], rel=0.03)
+        assert stage["modeled_peak_bytes"] == pytest.approx(stage["predicted_peak_bytes"], rel=0.02)
+    events = json.loads(paths["trace.json"].read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
+    backward = [e for e in slices if e["name"] == "B0 stage 0"]
+    reload = [e for e in slices if e["name"] == "H2D B0 stage 0, 392 MiB"]
+    assert backward and len(reload) == 1
+    start, end = reload[0]["ts"], reload[0]["ts"] + reload[0]["dur"]
+    assert any(b["ts"] <= start and end <= b["ts"] + b["dur"] for b in backward)
