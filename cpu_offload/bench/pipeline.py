@@ -73,7 +73,7 @@ class ModeledStage:
         return {
             "stage": self.plan.stage,
             "in_flight": self.plan.in_flight,
-            "policy": self.plan.policy.words(self.plan.layers),
+            "policy": self.plan.policy.words(self.plan.layers, self.plan.in_flight),
             "keep_passes": self.plan.policy.keep_passes,
             "modeled_step_s": self.modeled.step_s,
             "predicted_step_s": predicted.step_s,
@@ -245,9 +245,10 @@ def print_pipeline(simulation: PipelineSimulation) -> None:
     for stage in simulation.stages:
         m, p = stage.modeled, stage.plan.predicted
         peak = m.counted_peak_bytes
+        words = stage.plan.policy.words(stage.plan.layers, stage.plan.in_flight)
         print(
             f"{stage.plan.stage:>5} {stage.plan.in_flight:>9}  "
-            f"{stage.plan.policy.words(stage.plan.layers):<66} {m.step_s * 1e3:>13.1f} "
+            f"{words:<66} {m.step_s * 1e3:>13.1f} "
             f"{p.step_s * 1e3:>8.1f} {_difference(m.step_s, p.step_s):>+7.2%} "
             f"{peak / GIB:>8.3f} {p.peak_bytes / GIB:>6.3f} "
             f"{_difference(peak, p.peak_bytes):>+7.2%} {stage.exposed_copy_s * 1e3:>10.1f} "

@@ -488,8 +488,9 @@ def print_stages(plan: PipelinePlan) -> None:
     print("-" * len(header))
     for stage in plan.stages:
         row, without, today = stage.predicted, stage.without, stage.layer_k
+        words = stage.policy.words(stage.layers, stage.in_flight)
         print(
-            f"{stage.stage:>5} {stage.in_flight:>9}  {stage.policy.words(stage.layers):<66} "
+            f"{stage.stage:>5} {stage.in_flight:>9}  {words:<66} "
             f"{row.peak_bytes / GIB:>8.2f} {row.step_s * 1e3:>8.1f} "
             f"{'yes' if stage.fits else 'NO':>4} | {without.peak_bytes / GIB:>14.2f} "
             f"{without.step_s * 1e3:>7.1f} | {'k=' + str(stage.layer_k_policy.k):>7} "

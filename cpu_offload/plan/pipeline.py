@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.schedule import schedule_points
+from ..report.policy_words import describe_policy, pass_policy_words
 from .profiles import DeviceProfile
 from .schedule_model import LayerCosts, first_k
 
@@ -265,15 +266,12 @@ class StagePolicy:
     k: int
     keep_passes: int | None = None
 
-    def words(self, layers: int) -> str:
-        """The policy in words, as the step report says it."""
-        kept = f"layers 0-{self.k - 1} offload, " if self.k > 1 else ""
-        kept = "layer 0 offload, " if self.k == 1 else kept
-        last = f"{self.k}-{layers - 1}" if layers - 1 > self.k else f"{self.k}"
-        text = f"{kept}{'layers' if layers - 1 > self.k else 'layer'} {last} keep"
+    def words(self, layers: int, in_flight: int | None = None) -> str:
+        """The policy in words, as the step report and the handle say it: ``"layers 0-1
+        offload, 2-3 keep; keep 1 pass, 3 of 4 moved whole"``."""
+        text = f"layers {describe_policy(first_k(layers, self.k))}"
         if self.keep_passes is not None:
-            many = "pass" if self.keep_passes == 1 else "passes"
-            text += f"; keep {self.keep_passes} {many}, others moved whole"
+            text += f"; {pass_policy_words(self.keep_passes, in_flight)}"
         return text
 
 
@@ -519,7 +517,7 @@ class StagePlan:
         return {
             "stage": self.stage,
             "in_flight": self.in_flight,
-            "policy": self.policy.words(self.layers),
+            "policy": self.policy.words(self.layers, self.in_flight),
             "keep_passes": self.policy.keep_passes,
             "layer_policy": first_k(self.layers, self.policy.k),
             "predicted_peak_bytes": self.predicted.peak_bytes,

@@ -138,13 +138,13 @@ def test_a_tight_budget_moves_passes_whole_where_layers_cannot_fit():
     assert stage.layer_k.peak_bytes > 6 * GIB  # today's layer-k cannot
     entry = stage.to_json()
     assert FIELDS <= set(entry) and entry["keep_passes"] == stage.policy.keep_passes
-    assert entry["policy"].endswith("others moved whole")
+    assert entry["policy"].endswith("of 8 moved whole")
 
 
 def test_the_policy_in_words():
-    assert StagePolicy(2).words(4) == "layers 0-1 offload, layers 2-3 keep"
-    words = "layer 0 offload, layer 1 keep; keep 1 pass, others moved whole"
-    assert StagePolicy(1, 1).words(2) == words
+    assert StagePolicy(2).words(4) == "layers 0-1 offload, 2-3 keep"
+    words = "layers 0 offload, 1 keep; keep 1 pass, 3 of 4 moved whole"
+    assert StagePolicy(1, 1).words(2, 4) == words
 
 
 def test_the_command_plans_every_stage(tmp_path, capsys):
