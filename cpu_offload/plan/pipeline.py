@@ -32,14 +32,17 @@ NOTE [The stage model]
 
     A pass runs one of two policies.  *Per layer* (today's): its offloaded layers are
     released and reloaded as the default schedule says (``schedule_model.py``).  *Moved
-    whole* (``keep_passes=N``; the pass is not among the ``N`` oldest passes in flight of
-    its stage when its forward starts): every layer's offload starts as the next layer's
-    forward starts (the last one's when the forward ends), and the layer is released once
-    its copy is done, without a wait; it comes back, every layer in one go, when the
-    backward of an older pass starts and its place in the queue of backwards drops below
-    ``N``; its own backward waits for each layer's reload.  Its copies hide behind the
-    other passes' compute: a pass ``p`` places behind the oldest waits about
-    ``in_flight - p`` micro-batch slots for its backward.
+    whole* (``keep_passes=N``; ``N`` or more older passes of its stage wait for their
+    backward when its forward starts), as the engine runs it (NOTE [Moving a pass whole]
+    in ``engine/pass_schedule.py``): at the forward of layer ``j`` the copy of layer
+    ``j - 1`` starts and layer ``j - 2`` is released (the compute stream waits for its
+    copy), and as the forward ends the last layer's copy starts and the last two layers
+    are released; when the backward of an older pass starts and the pass's place in the
+    queue drops below ``N``, every layer's reload starts, last layer first (a pass whose
+    own backward comes first is reloaded then, on demand), and its backward waits for
+    each layer's reload.  Its copies hide behind the other passes' compute: a pass ``p``
+    places behind the oldest waits about ``in_flight - p`` micro-batch slots for its
+    backward.
 
 Every figure is a prediction; memory is the layers' saved activations only.
 """
