@@ -100,3 +100,19 @@ def test_passes_moved_whole_come_back_behind_an_older_pass_backward(tmp_path):
     assert backward and len(reload) == 1
     start, end = reload[0]["ts"], reload[0]["ts"] + reload[0]["dur"]
     assert any(b["ts"] <= start and end <= b["ts"] + b["dur"] for b in backward)
+
+
+def test_the_interleaved_schedule_offloads_by_pass_per_stage_of_a_rank(tmp_path):
+    """Two stages per rank, each under its own offload_layers (its own passes, its own
+    copy stream): the planner's keep_passes per stage, modeled and predicted agreeing."""
+    path = tmp_path / "pipe.json"
+    argv = ["--preset", "llama8b-layer", "--layers", "8", "--seq", "1024", "--simulate"]
+    argv += ["gh200", "--pipeline-stages", "2", "--microbatches", "4", "--schedule"]
+    argv += ["interleaved", "--memory-budget", "0.8", "--json", str(path)]
+    assert main(argv) == 0
+    stages = json.loads(path.read_text())["pipeline"]
+    assert [s["in_flight"] for s in stages] == [4, 3]
+    assert [s["keep_passes"] for s in stages] == [1, 1]
+    for stage in stages:
+        assert stage["modeled_step_s"] == pytest.approx(stage["predicted_step_s"], rel=0.03)
+        assert stage["modeled_peak_bytes"] == pytest.approx(stage["predicted_peak_bytes"], rel=0.02)
