@@ -231,6 +231,12 @@ def _check_pipeline(parser: Parser, args: argparse.Namespace, layers: int) -> No
             f"{flag} {value}: models a pipeline's stages; pass --simulate PROFILE "
             "--pipeline-stages P --microbatches M"
         )
+    for flag, value in (("--plot", args.plot), ("--offload", args.offload)):
+        if value is not None:
+            parser.error(
+                f"{flag}: not taken with --pipeline-stages (each stage runs the policy the "
+                "planner chose for it; --json and --trace hold its figures); leave it out"
+            )
     args.schedule = args.schedule or "1f1b"
     if args.virtual_stages is not None and args.schedule != "interleaved":
         parser.error(

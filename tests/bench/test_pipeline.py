@@ -68,8 +68,19 @@ def test_every_stage_modeled_and_predicted_agree(tmp_path, capsys):
             [*SMALL, "--pipeline-stages", "2", "--microbatches", "4", "--schedule", "zbv"],
             "invalid choice: 'zbv'",
         ),
+        (
+            [*SMALL, "--pipeline-stages", "2", "--microbatches", "4", "--offload", "1"],
+            "--offload: not taken with --pipeline-stages",
+        ),
     ],
-    ids=["no-simulate", "no-microbatches", "uneven", "virtual-without-interleaved", "zbv"],
+    ids=[
+        "no-simulate",
+        "no-microbatches",
+        "uneven",
+        "virtual-without-interleaved",
+        "zbv",
+        "offload",
+    ],
 )
 def test_pipeline_flags_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit):

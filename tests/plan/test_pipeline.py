@@ -9,7 +9,6 @@ import pytest
 
 from cpu_offload.plan.__main__ import main
 from cpu_offload.plan.pipeline import (
-    Action,
     StagePolicy,
     arrivals,
     candidates,
@@ -182,7 +181,3 @@ def test_pipeline_flags_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(["--preset", "tiny", *argv])
     assert message in capsys.readouterr().err
-
-
-def test_an_action_names_its_stage():
-    assert Action("F", 0, 3, 1).stage == 3
