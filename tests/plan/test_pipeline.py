@@ -181,3 +181,20 @@ def test_pipeline_flags_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(["--preset", "tiny", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_zbv_keeps_a_pass_until_its_weight_gradients():
+    """ZB-V splits the backward: I (input gradients) and W (weight gradients, which read
+    the layers' inputs). Without offload a rank holds every pass of both its stages from F
+    to W, and I and W each take half the backward."""
+    orders = rank_orders("zbv", 2, 4)
+    assert {a.kind for a in orders[0]} == {"F", "I", "W"}
+    ready = arrivals(orders, 2.0, 4.0)  # two layers of 1 s forward, 2 s backward
+    for order, times in zip(orders, ready, strict=True):
+        live = most = 0
+        for action in order:
+            live += {"F": 1, "W": -1}.get(action.kind, 0)
+            most = max(most, live)
+        row = simulate_stage(order, times, _costs(), 2, StagePolicy(0), 1e6, 1e6)
+        assert row.peak_bytes == most * 2 * 100
+        assert row.step_s == pytest.approx(row.waited_s + 2.0 * len(order))  # 2 s each
