@@ -60,6 +60,10 @@ class BenchConfig:
     simulate: str | None = None
     trace: str | None = None
     memory_budget: list[float] | None = None
+    pipeline_stages: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
@@ -89,6 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     _check_shapes(parser, args, values)
     offload = values.pop("offload")
     layers = int(str(values["layers"]))
+    _check_pipeline(parser, args, layers)
     ks = _offloaded_ks(parser, args, offload, layers)
     modes = _modes(parser, args, ks, layers)
     return BenchConfig(
@@ -105,6 +110,10 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         simulate=args.simulate,
         trace=args.trace,
         memory_budget=None if args.memory_budget is None else [b / GIB for b in args.memory_budget],
+        pipeline_stages=args.pipeline_stages,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
         **values,  # type: ignore[arg-type]
     )
 
@@ -185,7 +194,70 @@ def _parser() -> Parser:
         default=None,
         help="--simulate: write the modeled timelines as Chrome-trace JSON (Perfetto)",
     )
+    pipeline = parser.add_argument_group(
+        "pipeline parallelism (--simulate)",
+        "model each stage's order of forwards and backwards (docs/pipeline.md)",
+    )
+    pipeline.add_argument("--pipeline-stages", type=at_least(2), default=None, metavar="P")
+    pipeline.add_argument("--microbatches", type=at_least(1), default=None, metavar="M")
+    pipeline.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe"], default=None)
+    pipeline.add_argument(
+        "--virtual-stages",
+        type=at_least(2),
+        default=None,
+        metavar="V",
+        help="--schedule interleaved: stages per rank (2)",
+    )
     return parser
+
+
+def _check_pipeline(parser: Parser, args: argparse.Namespace, layers: int) -> None:
+    """The pipeline's flags: with --simulate, --microbatches and whole stages."""
+    given = [
+        (flag, value)
+        for flag, value in (
+            ("--pipeline-stages", args.pipeline_stages),
+            ("--microbatches", args.microbatches),
+            ("--schedule", args.schedule),
+            ("--virtual-stages", args.virtual_stages),
+        )
+        if value is not None
+    ]
+    if not given:
+        return
+    if args.simulate is None or args.pipeline_stages is None or args.microbatches is None:
+        flag, value = given[0]
+        parser.error(
+            f"{flag} {value}: models a pipeline's stages; pass --simulate PROFILE "
+            "--pipeline-stages P --microbatches M"
+        )
+    for flag, value in (("--plot", args.plot), ("--offload", args.offload)):
+        if value is not None:
+            parser.error(
+                f"{flag}: not taken with --pipeline-stages (each stage runs the policy the "
+                "planner chose for it; --json and --trace hold its figures); leave it out"
+            )
+    args.schedule = args.schedule or "1f1b"
+    if args.virtual_stages is not None and args.schedule != "interleaved":
+        parser.error(
+            f"--virtual-stages {args.virtual_stages}: sets the stages per rank of --schedule "
+            f"interleaved, not of {args.schedule}"
+        )
+    stages = args.pipeline_stages * (
+        (args.virtual_stages or 2) if args.schedule == "interleaved" else 1
+    )
+    if layers % stages:
+        parser.error(
+            f"--layers {layers}: expected a multiple of the pipeline's {stages} stages, so "
+            "that every stage has as many layers"
+        )
+    if args.schedule == "interleaved":
+        rounds = max(1, args.microbatches // args.pipeline_stages)
+        if args.microbatches % rounds:
+            parser.error(
+                f"--microbatches {args.microbatches}: the interleaved schedule runs {rounds} "
+                f"rounds over {args.pipeline_stages} ranks; expected a multiple of {rounds}"
+            )
 
 
 def _offloaded_ks(

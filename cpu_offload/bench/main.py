@@ -9,6 +9,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -262,6 +263,8 @@ def _main_simulate(config: BenchConfig) -> int:
 
     profile = get_profile(str(config.simulate))
     command = "python -m cpu_offload.bench " + " ".join(sys.argv[1:])
+    if config.pipeline_stages is not None:
+        return _main_pipeline(config, profile, command)
     if not any(mode.startswith("offload:") for mode in config.modes):
         from .peers_main import main_peers
 
@@ -296,4 +299,39 @@ def _main_simulate(config: BenchConfig) -> int:
             config.plot, simulation, f"modeled {profile.name}: {command}"
         )
         print(f"plot not written: {reason}" if reason else f"plot written to {config.plot}")
+    return 0
+
+
+def _main_pipeline(config: BenchConfig, profile: Any, command: str) -> int:
+    """``--simulate PROFILE --pipeline-stages P``: see :mod:`cpu_offload.bench.pipeline`."""
+    from ..testing.trace import write_trace
+    from .pipeline import ModeledStage, print_pipeline, run_pipeline
+
+    print(modeling_line(profile.name, profile.runtime, config, "shapes only"), flush=True)
+    began = time.perf_counter()
+
+    def progress(stage: ModeledStage) -> None:
+        print(f"modeled stage {stage.plan.stage} ({time.perf_counter() - began:.1f} s)")
+
+    simulation = run_pipeline(config, str(config.simulate), progress)
+    print()
+    print_pipeline(simulation)
+    if config.json:
+        document = {
+            "environment": {
+                "device": "modeled",
+                "device_name": f"modeled {profile.name}",
+                "torch": torch.__version__,
+                "command": command,
+            },
+            "config": dataclasses.asdict(config),
+            "pipeline": [stage.as_json() for stage in simulation.stages],
+            "agreement": simulation.worst(),
+        }
+        with open(config.json, "w") as file:
+            json.dump(document, file, indent=2)
+        print(f"figures written to {config.json}")
+    if config.trace:
+        write_trace(config.trace, [(f"stage {s.plan.stage}", s.modeled) for s in simulation.stages])
+        print(f"trace written to {config.trace} (open it in https://ui.perfetto.dev)")
     return 0

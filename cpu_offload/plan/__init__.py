@@ -11,6 +11,8 @@
   checkpoint or checkpoint+offload per layer, the fastest mix that fits.
 - ``layers.py``, ``hf_llama.py``: the layers it measures (presets, a GPT layer, a Hugging
   Face config's decoder layer, with or without transformers installed).
+- :func:`~cpu_offload.plan.pipeline.plan_pipeline` (``pipeline.py``): a plan per pipeline
+  stage, from torch's schedule orders and the passes each stage keeps in flight.
 - ``python -m cpu_offload.plan``: the same from the command line.
 - :class:`~cpu_offload.plan.auto_policy.AutoPolicy` (``auto_policy.py``): the plan
   chosen for ``offload_layers(model, memory_budget=...)`` from a measured step, applied

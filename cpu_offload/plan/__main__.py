@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ..cli import (
     Parser,
     at_least,
@@ -26,10 +28,11 @@ from .census import ATTENTIONS, LayerProfile, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
 from .module_search import ModuleSearch
 from .node import Node, host_memory_argument
+from .pipeline import SCHEDULES, PipelinePlan, gradient_accumulation_s, plan_pipeline
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
-from .profiles import PROFILES, get_profile, with_flops
-from .schedule_model import PlanRow
+from .profiles import PROFILES, DeviceProfile, get_profile, with_flops
+from .schedule_model import LayerCosts, PlanRow
 
 GIB = 2**30
 PLAN_PRESETS = ["tiny", "llama8b-layer", "mixtral8x7b-layer", "tiny-moe"]
@@ -99,6 +102,28 @@ def parser() -> Parser:
         "--per-module",
         action="store_true",
         help="with --memory-budget: also try keeping parts of each offloaded layer (modules=)",
+    )
+    pipeline = parser.add_argument_group(
+        "pipeline parallelism", "plan every stage of a pipeline schedule (docs/pipeline.md)"
+    )
+    pipeline.add_argument(
+        "--pipeline-stages",
+        type=at_least(2),
+        default=None,
+        metavar="P",
+        help="pipeline ranks: the layers split evenly over them; --memory-budget applies to "
+        "every stage",
+    )
+    pipeline.add_argument(
+        "--microbatches", type=at_least(1), default=None, metavar="M", help="per step"
+    )
+    pipeline.add_argument("--schedule", choices=list(SCHEDULES), default=None)
+    pipeline.add_argument(
+        "--virtual-stages",
+        type=at_least(2),
+        default=None,
+        metavar="V",
+        help="--schedule interleaved: stages per rank (2)",
     )
     parser.add_argument(
         "--json", metavar="PATH", type=output_file, help="also write the plan as JSON"
@@ -377,6 +402,122 @@ def check_shape_flags(cli: Parser, args: argparse.Namespace) -> None:
     args.dtype = args.dtype or "bf16"
 
 
+def check_pipeline(cli: Parser, args: argparse.Namespace, num_layers: int) -> int:
+    """The pipeline's flags, checked and completed; returns the layers of one stage
+    (the model's layers over the stages), or ``num_layers`` without a pipeline."""
+    if not args.pipeline_stages:
+        for flag, value in (
+            ("--microbatches", args.microbatches),
+            ("--schedule", args.schedule),
+            ("--virtual-stages", args.virtual_stages),
+        ):
+            if value is not None:
+                cli.error(f"{flag} {value}: plans a pipeline; pass --pipeline-stages P too")
+        return num_layers
+    if args.microbatches is None:
+        cli.error("--pipeline-stages: expected --microbatches M (the micro-batches per step)")
+    if args.per_module:
+        cli.error("--per-module: plans one stack, not a pipeline's stages; leave it out")
+    args.schedule = args.schedule or "1f1b"
+    if args.virtual_stages is not None and args.schedule != "interleaved":
+        cli.error(
+            f"--virtual-stages {args.virtual_stages}: sets the stages per rank of --schedule "
+            f"interleaved, not of {args.schedule} (zbv has 2 per rank)"
+        )
+    per_rank = {"interleaved": args.virtual_stages or 2, "zbv": 2}.get(args.schedule, 1)
+    args.virtual_stages = per_rank
+    stages = args.pipeline_stages * per_rank
+    if num_layers % stages or num_layers < stages:
+        cli.error(
+            f"--layers {num_layers}: expected a multiple of the pipeline's {stages} stages "
+            f"(--pipeline-stages {args.pipeline_stages}, {per_rank} per rank), so that every "
+            "stage has as many layers"
+        )
+    if args.schedule == "interleaved":
+        rounds = max(1, args.microbatches // args.pipeline_stages)
+        if args.microbatches % rounds:
+            cli.error(
+                f"--microbatches {args.microbatches}: the interleaved schedule runs "
+                f"{rounds} rounds over {args.pipeline_stages} ranks; expected a multiple of "
+                f"{rounds}"
+            )
+    return num_layers // stages
+
+
+def plan_stages(
+    args: argparse.Namespace,
+    spec: LayerSpec,
+    profile: LayerProfile,
+    device: DeviceProfile,
+    layers: int,
+) -> PipelinePlan:
+    """Every stage's plan (``--pipeline-stages``), printed; ``layers``: one stage's."""
+    with torch.device("meta"):
+        accumulate_s = layers * gradient_accumulation_s(spec.make_layer(), device)
+    stages = plan_pipeline(
+        LayerCosts.of(profile, device),
+        layers * args.pipeline_stages * args.virtual_stages,
+        device.d2h,
+        device.h2d,
+        ranks=args.pipeline_stages,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        memory_budget=args.memory_budget,
+        overhead_budget=args.overhead,
+        accumulate_s=accumulate_s,
+    )
+    print_stages(stages)
+    return stages
+
+
+def print_stages(plan: PipelinePlan) -> None:
+    """One row per stage: the chosen policy, the stage without offload, and today's
+    layer-k offload at the same peak."""
+    budget = "no budget" if plan.memory_budget is None else budget_text(plan.memory_budget)
+    print(
+        f"pipeline: {plan.schedule}, {plan.ranks} ranks x {plan.virtual_stages} stage(s) of "
+        f"{plan.layers_per_stage} layers, {plan.microbatches} micro-batches; {budget} per "
+        "stage; PREDICTED by the stage model (docs/pipeline.md)"
+    )
+    header = (
+        f"{'stage':>5} {'in flight':>9}  {'policy':<66} {'peak GiB':>8} {'step ms':>8} "
+        f"{'fits':>4} | {'no offload GiB':>14} {'ms':>7} | {'layer-k':>7} {'GiB':>6} {'ms':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for stage in plan.stages:
+        row, without, today = stage.predicted, stage.without, stage.layer_k
+        words = stage.policy.words(stage.layers, stage.in_flight)
+        print(
+            f"{stage.stage:>5} {stage.in_flight:>9}  {words:<66} "
+            f"{row.peak_bytes / GIB:>8.2f} {row.step_s * 1e3:>8.1f} "
+            f"{'yes' if stage.fits else 'NO':>4} | {without.peak_bytes / GIB:>14.2f} "
+            f"{without.step_s * 1e3:>7.1f} | {'k=' + str(stage.layer_k_policy.k):>7} "
+            f"{today.peak_bytes / GIB:>6.2f} {today.step_s * 1e3:>7.1f}"
+        )
+    print(
+        "step ms: when the stage's last backward ends, its inputs arriving as the schedule "
+        "without offload times them; layer-k: today's offload of the first k layers of "
+        "every pass, the smallest k that reaches the policy's peak (or its smallest peak)"
+    )
+
+
+def stages_json(plan: PipelinePlan) -> dict[str, object]:
+    """The JSON's ``"pipeline_schedule"`` and ``"stages"``."""
+    return {
+        "pipeline_schedule": {
+            "schedule": plan.schedule,
+            "pipeline_stages": plan.ranks,
+            "microbatches": plan.microbatches,
+            "stages_per_rank": plan.virtual_stages,
+            "layers_per_stage": plan.layers_per_stage,
+            "memory_budget_per_stage": plan.memory_budget,
+        },
+        "stages": [stage.to_json() for stage in plan.stages],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
@@ -413,6 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     modules = modules_argument(args.modules) if args.modules else None
     node = Node(args.ranks_per_node, args.host_memory)
     budget = args.memory_budget  # bytes
+    num_layers = check_pipeline(cli, args, num_layers)
     per_module = None
     if args.per_module and budget is not None:
         measure = dict(kwargs=spec.kwargs, min_offload_numel=args.min_offload_numel)
@@ -440,18 +582,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli.error(f"--modules: {error}")
     if modules is not None:
         print_saved_by(profile)
+    stage_budget = None if args.pipeline_stages else budget  # a pipeline's: per stage
     plan = plan_offload(
         profile,
         num_layers,
         device,
         overhead_budget=args.overhead,
-        memory_budget=budget,
+        memory_budget=stage_budget,
         host_cap=node.cap_per_rank,
     )
     print_plan(plan, spec.description, node)
+    stages = plan_stages(args, spec, profile, device, num_layers) if args.pipeline_stages else None
     if args.json:
         with open(args.json, "w") as file:
             document = to_json(plan, spec.description, node)
+            if stages is not None:
+                document |= stages_json(stages)
             if per_module is not None:
                 document["per_module"] = per_module.to_json()
             json.dump(document, file, indent=2)

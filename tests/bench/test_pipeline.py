@@ -1,0 +1,129 @@
+"""``python -m cpu_offload.bench --simulate PROFILE --pipeline-stages P``: each stage's order
+through the offload code on the modeled accelerator, beside the planner's stage model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cpu_offload.bench.main import main
+
+GIB = 2**30
+FIELDS = {
+    "stage",
+    "modeled_step_s",
+    "predicted_step_s",
+    "modeled_peak_bytes",
+    "predicted_peak_bytes",
+    "modeled_exposed_copy_s",
+}
+SMALL = ["--preset", "llama8b-layer", "--layers", "4", "--seq", "1024", "--simulate", "h100"]
+
+
+def test_every_stage_modeled_and_predicted_agree(tmp_path, capsys):
+    """1F1B over 2 stages of 2 Llama-3-8B layers, 4 micro-batches, 0.5 GiB per stage: the
+    first stage keeps 2 passes and must offload; both agree within 3% (step) and 2%
+    (peak), and the trace shows the waits for the neighbours and the copies."""
+    paths = {name: tmp_path / name for name in ("pipe.json", "trace.json")}
+    argv = [*SMALL, "--pipeline-stages", "2", "--microbatches", "4", "--memory-budget", "0.5"]
+    argv += ["--json", str(paths["pipe.json"]), "--trace", str(paths["trace.json"])]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 1f1b, 2 ranks x 1 stage(s) of 2 layers, 4 micro-batches" in out
+    stages = json.loads(paths["pipe.json"].read_text())["pipeline"]
+    assert [s["stage"] for s in stages] == [0, 1] and all(FIELDS <= set(s) for s in stages)
+    for stage in stages:
+        assert stage["modeled_step_s"] == pytest.approx(stage["predicted_step_s"], rel=0.03)
+        assert stage["modeled_peak_bytes"] == pytest.approx(stage["predicted_peak_bytes"], rel=0.02)
+        assert stage["predicted_peak_bytes"] <= 0.5 * GIB
+    first = stages[0]
+    assert first["in_flight"] == 2 and first["modeled_d2h_bytes"] > 0
+    assert first["modeled_exposed_copy_s"] == pytest.approx(
+        first["predicted_exposed_copy_s"], rel=0.05
+    )
+    assert stages[1]["modeled_input_waited_s"] > 0  # it waits for stage 0's first forward
+    events = json.loads(paths["trace.json"].read_text())["traceEvents"]
+    names = [e["args"]["name"] for e in events if e["name"] == "process_name"]
+    assert names == ["stage 0", "stage 1"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert any(e["name"] == "input from a neighbour" and e["pid"] == 1 for e in slices)
+    assert any(e["name"].startswith("D2H F1 stage 0") and e["pid"] == 0 for e in slices)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pipeline-stages", "2", "--microbatches", "4"], "pass --simulate PROFILE"),
+        ([*SMALL, "--pipeline-stages", "2"], "--pipeline-stages 2: models a pipeline's stages"),
+        (
+            [*SMALL, "--pipeline-stages", "3", "--microbatches", "4"],
+            "--layers 4: expected a multiple of the pipeline's 3 stages",
+        ),
+        (
+            [*SMALL, "--pipeline-stages", "2", "--microbatches", "4", "--virtual-stages", "2"],
+            "--virtual-stages 2: sets the stages per rank of --schedule interleaved",
+        ),
+        (
+            [*SMALL, "--pipeline-stages", "2", "--microbatches", "4", "--schedule", "zbv"],
+            "invalid choice: 'zbv'",
+        ),
+        (
+            [*SMALL, "--pipeline-stages", "2", "--microbatches", "4", "--offload", "1"],
+            "--offload: not taken with --pipeline-stages",
+        ),
+    ],
+    ids=[
+        "no-simulate",
+        "no-microbatches",
+        "uneven",
+        "virtual-without-interleaved",
+        "zbv",
+        "offload",
+    ],
+)
+def test_pipeline_flags_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_passes_moved_whole_come_back_behind_an_older_pass_backward(tmp_path):
+    """GPipe keeps 8 passes on each of 2 stages; on a GH200's link the plan keeps one pass
+    and moves the others whole (keep_passes=1), the offloader runs it on the modeled
+    device, both agree, and the trace shows pass 1 (both layers, 392 MiB) coming back
+    while pass 0's backward computes."""
+    paths = {name: tmp_path / name for name in ("pipe.json", "trace.json")}
+    argv = [*SMALL[:-1], "gh200", "--pipeline-stages", "2", "--microbatches", "8"]
+    argv += ["--schedule", "gpipe", "--memory-budget", "1"]
+    argv += ["--json", str(paths["pipe.json"]), "--trace", str(paths["trace.json"])]
+    assert main(argv) == 0
+    stages = json.loads(paths["pipe.json"].read_text())["pipeline"]
+    assert [s["keep_passes"] for s in stages] == [1, 1]
+    for stage in stages:
+        assert stage["in_flight"] == 8 and stage["modeled_peak_bytes"] <= GIB
+        assert stage["modeled_step_s"] == pytest.approx(stage["predicted_step_s"], rel=0.03)
+        assert stage["modeled_peak_bytes"] == pytest.approx(stage["predicted_peak_bytes"], rel=0.02)
+    events = json.loads(paths["trace.json"].read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
+    backward = [e for e in slices if e["name"] == "B0 stage 0"]
+    reload = [e for e in slices if e["name"] == "H2D B0 stage 0, 392 MiB"]
+    assert backward and len(reload) == 1
+    start, end = reload[0]["ts"], reload[0]["ts"] + reload[0]["dur"]
+    assert any(b["ts"] <= start and end <= b["ts"] + b["dur"] for b in backward)
+
+
+def test_the_interleaved_schedule_offloads_by_pass_per_stage_of_a_rank(tmp_path):
+    """Two stages per rank, each under its own offload_layers (its own passes, its own
+    copy stream): the planner's keep_passes per stage, modeled and predicted agreeing."""
+    path = tmp_path / "pipe.json"
+    argv = ["--preset", "llama8b-layer", "--layers", "8", "--seq", "1024", "--simulate"]
+    argv += ["gh200", "--pipeline-stages", "2", "--microbatches", "4", "--schedule"]
+    argv += ["interleaved", "--memory-budget", "0.8", "--json", str(path)]
+    assert main(argv) == 0
+    stages = json.loads(path.read_text())["pipeline"]
+    assert [s["in_flight"] for s in stages] == [4, 3]
+    assert [s["keep_passes"] for s in stages] == [1, 1]
+    for stage in stages:
+        assert stage["modeled_step_s"] == pytest.approx(stage["predicted_step_s"], rel=0.03)
+        assert stage["modeled_peak_bytes"] == pytest.approx(stage["predicted_peak_bytes"], rel=0.02)

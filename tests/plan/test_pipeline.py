@@ -1,0 +1,200 @@
+"""The plan per pipeline stage: torch's schedule orders, passes in flight, the stage model
+and ``python -m cpu_offload.plan --pipeline-stages``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cpu_offload.plan.__main__ import main
+from cpu_offload.plan.pipeline import (
+    StagePolicy,
+    arrivals,
+    candidates,
+    in_flight,
+    plan_pipeline,
+    rank_orders,
+    simulate_stage,
+)
+from cpu_offload.plan.schedule_model import LayerCosts
+
+GIB = 2**30
+FIELDS = {
+    "stage",
+    "in_flight",
+    "policy",
+    "keep_passes",
+    "layer_policy",
+    "predicted_peak_bytes",
+    "predicted_offloaded_bytes",
+    "predicted_step_s",
+    "fits",
+}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "ranks", "microbatches", "expected"),
+    [
+        ("1f1b", 4, 8, [4, 3, 2, 1]),
+        ("1f1b", 4, 2, [2, 2, 2, 1]),
+        ("gpipe", 4, 8, [8, 8, 8, 8]),
+        ("zbv", 4, 8, [8, 7, 6, 5]),
+        ("interleaved", 2, 4, [4, 3]),
+    ],
+    ids=str,
+)
+def test_passes_in_flight_from_torchs_schedules(schedule, ranks, microbatches, expected):
+    orders = rank_orders(schedule, ranks, microbatches)
+    assert [in_flight(order) for order in orders] == expected
+    for order in orders:  # every micro-batch forward and backward once per stage
+        stages = {a.stage for a in order}
+        forwards = sorted((a.stage, a.microbatch) for a in order if a.kind == "F")
+        assert forwards == [(s, m) for s in sorted(stages) for m in range(microbatches)]
+
+
+def test_the_1f1b_order_is_the_one_torch_runs():
+    """Schedule1F1B._step_microbatches: P - rank forwards, then a backward and a forward."""
+    first, *_, last = rank_orders("1f1b", 3, 4)
+    words = [f"{a.kind}{a.microbatch}" for a in first]
+    assert words == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
+    assert [f"{a.kind}{a.microbatch}" for a in last] == ["F0", "B0", "F1", "B1"] + [
+        "F2",
+        "B2",
+        "F3",
+        "B3",
+    ]
+
+
+def test_an_unknown_schedule_is_refused():
+    with pytest.raises(ValueError, match="unknown schedule 'dualpipe'"):
+        rank_orders("dualpipe", 2, 4)
+
+
+def test_arrivals_follow_the_neighbours():
+    """Two ranks, one micro-batch: F at stage 1 after F at stage 0 (1 s), B at stage 0
+    after B at stage 1 (1 + 1 + 2 s)."""
+    orders = rank_orders("1f1b", 2, 1)
+    assert arrivals(orders, 1.0, 2.0) == [[0.0, 4.0], [1.0, 2.0]]
+
+
+def _costs(saved: int = 100, forward_s: float = 1.0) -> LayerCosts:
+    return LayerCosts(saved, saved, 0, forward_s, 2 * forward_s)
+
+
+def test_without_offload_a_stage_holds_every_pass_in_flight():
+    orders = rank_orders("gpipe", 2, 3)
+    ready = arrivals(orders, 2.0, 4.0)
+    row = simulate_stage(orders[0], ready[0], _costs(), 2, StagePolicy(0), 1e9, 1e9)
+    assert row.peak_bytes == 3 * 2 * 100 and row.offloaded_bytes == 0
+    assert row.exposed_copy_s == 0 and row.passes_moved_whole == 0
+
+
+def test_passes_moved_whole_leave_the_device_and_come_back():
+    """GPipe, six passes of two layers, a fast link: offloading the first layer of every
+    pass leaves six layers on the device; keeping one pass and moving the other five
+    whole leaves the kept pass and the one coming back (and a layer whose copy runs)."""
+    orders = rank_orders("gpipe", 2, 6)
+    ready = arrivals(orders, 2.0, 4.0)
+    kept = simulate_stage(orders[0], ready[0], _costs(), 2, StagePolicy(0, 1), 1e6, 1e6)
+    per_layer = simulate_stage(orders[0], ready[0], _costs(), 2, StagePolicy(1), 1e6, 1e6)
+    assert kept.passes_moved_whole == 5
+    assert kept.offloaded_bytes == 5 * 2 * 100  # five passes, both layers each
+    assert per_layer.offloaded_bytes == 6 * 100  # the first layer of each pass
+    assert kept.peak_bytes == 4 * 100 < per_layer.peak_bytes == 6 * 100
+    # its copies hid behind the other passes but the last layer's, at each forward's end
+    assert kept.exposed_copy_s == pytest.approx(5 * 100 / 1e6)
+    assert kept.step_s == ready[0][-1] + 2 * 2.0  # the last backward, on time
+
+
+def test_a_slow_link_makes_passes_moved_whole_wait_for_their_copies():
+    """Each layer's release waits for its copy (NOTE [Moving a pass whole]): a link too
+    slow for the copies costs time, not memory."""
+    orders = rank_orders("gpipe", 2, 6)
+    ready = arrivals(orders, 2.0, 4.0)
+    slow = simulate_stage(orders[0], ready[0], _costs(), 2, StagePolicy(0, 1), 1.0, 1.0)
+    fast = simulate_stage(orders[0], ready[0], _costs(), 2, StagePolicy(0, 1), 1e6, 1e6)
+    assert slow.peak_bytes == fast.peak_bytes == 4 * 100
+    assert slow.exposed_copy_s > 10 * 100 and slow.step_s > fast.step_s + 10 * 100
+
+
+def test_the_candidates_of_a_stage():
+    found = candidates(3, 3)
+    assert StagePolicy(2) in found and StagePolicy(0, 2) in found
+    assert StagePolicy(0, 3) not in found and len(found) == 3 * 3
+
+
+def test_a_tight_budget_moves_passes_whole_where_layers_cannot_fit():
+    """GPipe keeps 8 passes of 2 layers: offloading a layer of each leaves 8 layers on
+    the device; keeping 2 passes and moving the rest whole leaves about 4."""
+    plan = plan_pipeline(
+        _costs(GIB, 0.01), 4, 1e12, 1e12, ranks=2, microbatches=8, schedule="gpipe",
+        memory_budget=6 * GIB,
+    )  # fmt: skip
+    stage = plan.stages[0]
+    assert stage.in_flight == 8 and stage.fits
+    assert stage.policy.keep_passes is not None
+    assert stage.layer_k.peak_bytes > 6 * GIB  # today's layer-k cannot
+    entry = stage.to_json()
+    assert FIELDS <= set(entry) and entry["keep_passes"] == stage.policy.keep_passes
+    assert entry["policy"].endswith("of 8 moved whole")
+
+
+def test_the_policy_in_words():
+    assert StagePolicy(2).words(4) == "layers 0-1 offload, 2-3 keep"
+    words = "layers 0 offload, 1 keep; keep 1 pass, 3 of 4 moved whole"
+    assert StagePolicy(1, 1).words(2, 4) == words
+
+
+def test_the_command_plans_every_stage(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    argv = ["--preset", "tiny", "--pipeline-stages", "2", "--microbatches", "4"]
+    assert main([*argv, "--memory-budget", "0.05", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 1f1b, 2 ranks x 1 stage(s) of 2 layers, 4 micro-batches" in out
+    document = json.loads(path.read_text())
+    stages = document["stages"]
+    assert [s["stage"] for s in stages] == [0, 1] and [s["in_flight"] for s in stages] == [2, 1]
+    assert all(FIELDS <= set(s) for s in stages)
+    assert all(s["predicted_peak_bytes"] <= 0.05 * GIB and s["fits"] for s in stages)
+    assert stages[0]["without_offload"]["peak_bytes"] > 0.05 * GIB
+    assert document["num_layers"] == 2  # the every-k table: one stage's layers
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--microbatches", "4"], "--microbatches 4: plans a pipeline; pass --pipeline-stages"),
+        (["--pipeline-stages", "2"], "--pipeline-stages: expected --microbatches M"),
+        (
+            ["--pipeline-stages", "3", "--microbatches", "4"],
+            "--layers 4: expected a multiple of the pipeline's 3 stages",
+        ),
+        (
+            ["--pipeline-stages", "2", "--microbatches", "4", "--virtual-stages", "2"],
+            "--virtual-stages 2: sets the stages per rank of --schedule interleaved",
+        ),
+    ],
+    ids=["no-stages", "no-microbatches", "uneven", "virtual-without-interleaved"],
+)
+def test_pipeline_flags_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["--preset", "tiny", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_zbv_keeps_a_pass_until_its_weight_gradients():
+    """ZB-V splits the backward: I (input gradients) and W (weight gradients, which read
+    the layers' inputs). Without offload a rank holds every pass of both its stages from F
+    to W, and I and W each take half the backward."""
+    orders = rank_orders("zbv", 2, 4)
+    assert {a.kind for a in orders[0]} == {"F", "I", "W"}
+    ready = arrivals(orders, 2.0, 4.0)  # two layers of 1 s forward, 2 s backward
+    for order, times in zip(orders, ready, strict=True):
+        live = most = 0
+        for action in order:
+            live += {"F": 1, "W": -1}.get(action.kind, 0)
+            most = max(most, live)
+        row = simulate_stage(order, times, _costs(), 2, StagePolicy(0), 1e6, 1e6)
+        assert row.peak_bytes == most * 2 * 100
+        assert row.step_s == pytest.approx(row.waited_s + 2.0 * len(order))  # 2 s each
