@@ -25,10 +25,10 @@ May import: policy, engine, report, hooks, device, models, cli, log.
 
 from __future__ import annotations
 
+from ..device.profiles import PROFILES, DeviceProfile
 from .census import ATTENTIONS, LayerProfile, measure_layer
 from .planner import Plan, plan_offload
 from .policy_search import PolicyPlan, choose_policy
-from .profiles import PROFILES, DeviceProfile
 from .schedule_model import PlanRow, simulate, simulate_policy
 
 __all__ = [

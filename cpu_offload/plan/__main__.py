@@ -21,6 +21,7 @@ from ..cli import (
     plot_file,
     positive_float,
 )
+from ..device.profiles import PROFILES, DeviceProfile, get_profile, with_flops
 from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL, KEPT_BY_MODULES
 from ..models import DTYPES
 from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
@@ -31,7 +32,6 @@ from .node import Node, host_memory_argument
 from .pipeline import SCHEDULES, PipelinePlan, gradient_accumulation_s, plan_pipeline
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
-from .profiles import PROFILES, DeviceProfile, get_profile, with_flops
 from .schedule_model import LayerCosts, PlanRow
 
 GIB = 2**30

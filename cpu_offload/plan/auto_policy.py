@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..device.link import measure_ceiling
+from ..device.profiles import DeviceProfile
 from ..engine.layer_context import OffloadContext
 from ..hooks.selection import warn_once_per_call_site
 from ..log import logger
@@ -71,7 +72,6 @@ from ..policy.planned_synchronizer import PlannedOffloadSynchronizer
 from ..policy.policy import CHECKPOINTED, OFFLOADED, checkpoint_hazards
 from .policy_plan import PolicyPlan
 from .policy_search import PolicySearch
-from .profiles import DeviceProfile
 from .schedule_model import LayerCosts
 from .stage_plan import choose_for_stage
 

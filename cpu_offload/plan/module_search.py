@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 from ..cli import Parser, memory_amount
+from ..device.profiles import PROFILES, DeviceProfile, get_profile
 from ..policy.module_choices import KEEP, MEGATRON_MODULES, OFFLOAD, REST, names_in
 from .census import LayerProfile, measure_layer
 from .layers import preset_layer
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan, PolicySearch
-from .profiles import PROFILES, DeviceProfile, get_profile
 
 __all__ = ["Candidate", "ModulePlan", "ModuleSearch", "candidate_modules"]
 

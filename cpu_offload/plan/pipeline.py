@@ -53,9 +53,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..device.profiles import DeviceProfile
 from ..engine.schedule import schedule_points
 from ..report.policy_words import describe_policy, pass_policy_words
-from .profiles import DeviceProfile
 from .schedule_model import LayerCosts, first_k
 
 __all__ = [

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..device.profiles import DeviceProfile, get_profile
 from .census import LayerProfile
 from .policy_search import PolicyPlan, choose_policy
-from .profiles import DeviceProfile, get_profile
 from .schedule_model import LayerCosts, PlanRow, first_k, simulate_policy
 
 __all__ = ["MAX_LAYERS", "Plan", "plan_offload"]

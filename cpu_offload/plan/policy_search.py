@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..device.profiles import DeviceProfile, get_profile
 from ..engine.host_buffers import CLASS_DIVISIONS, pool_reserve
 from ..engine.schedule import max_offloaded, release_point, reload_point
 from ..policy.memory_budget import size
@@ -38,7 +39,6 @@ from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLIC
 from .census import LayerProfile
 from .local_search import improve, order
 from .policy_plan import PolicyPlan
-from .profiles import DeviceProfile, get_profile
 from .schedule_model import LayerCosts, PlanRow, layer_costs, simulate_policy
 
 __all__ = [

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..device.profiles import DeviceProfile
 from ..engine.schedule import schedule_points
 from ..policy.policy import CHECKPOINTED, KEEP, OFFLOAD, OFFLOADED
 from .census import LayerProfile
-from .profiles import DeviceProfile
 
 __all__ = ["LayerCosts", "PlanRow", "first_k", "layer_costs", "simulate", "simulate_policy"]
 

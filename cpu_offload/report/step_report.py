@@ -33,13 +33,7 @@ from ..hooks.selection import (
 )
 from .step_record import HOST_CAP, NOT_COPIED, SaveCounts, StepRecord
 
-__all__ = [
-    "EndOfForward",
-    "LayerRow",
-    "REASONS",
-    "StepRecorder",
-    "StepReport",
-]
+__all__ = ["EndOfForward", "LayerRow", "REASONS", "StepRecorder", "StepReport"]
 
 
 #: per reason a tensor stayed: the key loggers see, and how the table says it

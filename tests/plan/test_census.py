@@ -10,9 +10,9 @@ from helpers import small_llama_config, tiny_preset_run
 from hosts import require
 
 from cpu_offload import offload_layers
+from cpu_offload.device.profiles import get_profile
 from cpu_offload.plan import measure_layer, plan_offload, simulate_policy
 from cpu_offload.plan.layers import GptLayer, gpt_layer, hf_layer, preset_layer
-from cpu_offload.plan.profiles import get_profile
 from cpu_offload.plan.schedule_model import LayerCosts
 
 THRESHOLDS = [0, 2**15, 2**18]

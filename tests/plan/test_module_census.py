@@ -6,10 +6,10 @@ import math
 
 import pytest
 
+from cpu_offload.device.profiles import get_profile
 from cpu_offload.plan import measure_layer
 from cpu_offload.plan.layers import preset_layer
 from cpu_offload.plan.module_census import costs_by
-from cpu_offload.plan.profiles import get_profile
 
 
 @pytest.mark.parametrize("attention", ["cpu", "flash", "math"])
