@@ -182,16 +182,25 @@ class HostBufferPool:
     # -------------------------------------------------------------- lending
 
     def acquire(
-        self, layer_index: int, tensors: list[torch.Tensor], sizes: list[int] | None = None
+        self,
+        layer_index: int,
+        tensors: list[torch.Tensor],
+        sizes: list[int] | None = None,
+        layouts: list[Layout] | None = None,
     ) -> list[torch.Tensor | None]:
         """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``;
         ``None`` for a tensor that does not fit under ``max_bytes``.  ``sizes``: the
-        tensors' bytes, where the caller has them."""
+        tensors' bytes, and ``layouts``: their ``(shape, stride, dtype)``, where the
+        caller has them."""
         with self._lock:
-            return self._acquire(layer_index, tensors, sizes)
+            return self._acquire(layer_index, tensors, sizes, layouts)
 
     def _acquire(
-        self, layer_index: int, tensors: list[torch.Tensor], sizes: list[int] | None
+        self,
+        layer_index: int,
+        tensors: list[torch.Tensor],
+        sizes: list[int] | None,
+        layouts: list[Layout] | None,
     ) -> list[torch.Tensor | None]:
         if self.retain and self._retained[layer_index]:
             # Checked before it is taken: after the error the set is still the layer's.
@@ -204,15 +213,33 @@ class HostBufferPool:
         buffers: list[torch.Tensor | None] = [None] * len(tensors)
         # Largest first: the largest tensors get the blocks that fit them best.
         order = sorted(range(len(tensors)), key=sizes.__getitem__, reverse=True)
-        for position in order:
+        free_sizes, free, lent = self._free_sizes, self._free, self._lent
+        for position in order:  # the smallest free block large enough, else a new one
             nbytes = sizes[position]
-            block = self._take_block(nbytes)
+            at = bisect.bisect_left(free_sizes, nbytes)
+            if at < len(free_sizes):
+                size = free_sizes[at]
+                blocks = free[size]
+                block: _Block | None = blocks.pop()
+                if not blocks:
+                    del free_sizes[at]
+                self._in_use += size
+            else:
+                block = self._new_block(nbytes)
             if block is None:  # over max_bytes: this tensor stays on the device
                 self._requested -= nbytes
                 self._refuse(nbytes)
                 continue
-            view = block.view_as(tensors[position], nbytes)
-            self._lent[id(view)] = (block, nbytes)
+            like = tensors[position]
+            if layouts is None:
+                layout: Layout = (like.shape, like.stride(), like.dtype)
+            else:
+                layout = layouts[position]
+            if layout == block.layout:
+                view = cast(torch.Tensor, block.view)
+            else:
+                view = block.view_as(like, nbytes)
+            lent[id(view)] = (block, nbytes)
             buffers[position] = view
         return buffers
 
@@ -227,9 +254,20 @@ class HostBufferPool:
         if self.retain:
             self._retained[layer_index].append(buffers)  # still lent: fixed addresses
             return
+        free_sizes, free, lent = self._free_sizes, self._free, self._lent
+        requested = in_use = 0
         for view in buffers:
             if view is not None:
-                self._put_free(self._take_back(view))
+                block, nbytes = lent.pop(id(view))
+                requested += nbytes
+                size = block.size
+                in_use += size
+                blocks = free[size]
+                if not blocks:
+                    bisect.insort(free_sizes, size)
+                blocks.append(block)
+        self._requested -= requested
+        self._in_use -= in_use
 
     def empty_cache(self) -> None:
         """Free the blocks no layer is using (and the buffers retained for later passes)."""
@@ -277,30 +315,27 @@ class HostBufferPool:
 
     # ------------------------------------------------------------- blocks
 
-    def _take_block(self, nbytes: int) -> _Block | None:
-        at = bisect.bisect_left(self._free_sizes, nbytes)
-        if at < len(self._free_sizes):  # never in retain mode: nothing is ever free there
-            size = self._free_sizes[at]
-            block = self._take_free(size)
-        else:
-            size = size_class(nbytes)
-            limits = [n for n in (self.max_bytes, self._host_full) if n is not None]
-            if any(self._in_use + size > limit for limit in limits):
-                # Evicting every free block would not make room: refused before any is
-                # freed, so the blocks later tensors of the step reuse stay.
-                return None
-            # (in retain mode nothing is free to evict)
-            self._evict_for(size, int(RESERVE_RATIO * self._peak_requested))
-            for limit in limits:
-                self._evict_for(size, limit)
-            try:
-                data = self._backend.empty_host_bytes(size)
-            except (RuntimeError, MemoryError) as error:  # NOTE [A host that says no]
-                self._refused_by_host(size, error)
-                return None
-            block = _Block(data)
-            self._reserved += size
-            self._num_alloc += 1
+    def _new_block(self, nbytes: int) -> _Block | None:
+        """A new block for ``nbytes`` (no free one is large enough), or None where the
+        cap or the host refuses it."""
+        size = size_class(nbytes)
+        limits = [n for n in (self.max_bytes, self._host_full) if n is not None]
+        if any(self._in_use + size > limit for limit in limits):
+            # Evicting every free block would not make room: refused before any is
+            # freed, so the blocks later tensors of the step reuse stay.
+            return None
+        # (in retain mode nothing is free to evict)
+        self._evict_for(size, int(RESERVE_RATIO * self._peak_requested))
+        for limit in limits:
+            self._evict_for(size, limit)
+        try:
+            data = self._backend.empty_host_bytes(size)
+        except (RuntimeError, MemoryError) as error:  # NOTE [A host that says no]
+            self._refused_by_host(size, error)
+            return None
+        block = _Block(data)
+        self._reserved += size
+        self._num_alloc += 1
         self._in_use += size
         return block
 
@@ -310,12 +345,6 @@ class HostBufferPool:
             largest = self._free_sizes[-1]
             self._take_free(largest)
             self._count_freed(largest)
-
-    def _put_free(self, block: _Block) -> None:
-        blocks = self._free[block.size]
-        if not blocks:
-            bisect.insort(self._free_sizes, block.size)
-        blocks.append(block)
 
     def _take_free(self, size: int) -> _Block:
         """A free block of class ``size`` (which has one)."""

@@ -68,12 +68,16 @@ def version_keeper(tensor: torch.Tensor, own: bool = False) -> torch.Tensor:
     A view is never its own keeper: it holds its base (``_base``), and with it the
     base's memory, whatever its ``.data``."""
     keeper = tensor if own and tensor._base is None else tensor.detach()
-    device = tensor.device
+    keeper.data = _no_memory(tensor.device)
+    return keeper
+
+
+def _no_memory(device: torch.device) -> torch.Tensor:
+    """The empty tensor of ``device`` that version keepers point at."""
     empty = _NO_MEMORY.get(device)
     if empty is None:
         empty = _NO_MEMORY[device] = torch.empty(0, device=device)
-    keeper.data = empty
-    return keeper
+    return empty
 
 
 class CopyingLayer(Protocol):
@@ -121,9 +125,11 @@ class LayerData:
         via_base: pushed positions of views that move through their base; None: none.
         grouped: whether group processing has work (a view moves through its base, or
             a tensor was pushed twice); otherwise tensors are copied as they are.
+        leaves: whether a tensor pushed is held as it is (a leaf: the user's own tensor).
         modified: ``pushed position -> version`` of tensors modified before their copy.
         layout: how to undo group processing.
         unique: the device tensors being copied (after group processing).
+        layouts: per unique tensor, its ``(shape, stride, dtype)``.
         host: per unique tensor, its host buffer (None: over ``max_host_bytes``, stays);
         stay: per unique tensor that stays, the tensor (else None); empty if none stays.
         host_bytes: bytes of the host copies.
@@ -144,8 +150,10 @@ class LayerData:
         "aliases",
         "via_base",
         "grouped",
+        "leaves",
         "modified",
         "layout",
+        "layouts",
         "unique",
         "host",
         "stay",
@@ -168,8 +176,10 @@ class LayerData:
         self.aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self.via_base: set[int] | None = None
         self.grouped = False
+        self.leaves = False
         self.modified: dict[int, int] = {}
         self.layout: GroupLayout | None = None
+        self.layouts: list[tuple[torch.Size, tuple[int, ...], torch.dtype]] = []
         self.unique: list[torch.Tensor] = []
         self.host: list[torch.Tensor | None] = []
         self.stay: list[torch.Tensor | None] = []
@@ -193,7 +203,11 @@ class LayerData:
         if entry is not None and entry[0]() is tensor:
             self.grouped = True
             return entry[1]
-        alias = tensor if tensor.is_leaf and tensor._base is None else tensor.detach()
+        if tensor.is_leaf and tensor._base is None:
+            alias = tensor  # the user's own tensor: not the layer's to empty
+            self.leaves = True
+        else:
+            alias = tensor.detach()
         self.aliases[key] = (ref if ref is not None else weakref.ref(tensor), alias)
         return alias
 
@@ -213,7 +227,13 @@ class LayerData:
         that stays on the device get a keeper of their own.  A tensor pushed twice has
         one keeper."""
         pushed = self.pushed
-        if pushed and not self.keepers:
+        if pushed and not self.keepers and not (self.grouped or self.stay or self.leaves):
+            # Every alias is the layer's own detach(), no view, pushed once: its own keeper.
+            empty = _no_memory(pushed[0].device)  # (all on the device they move from)
+            for alias in pushed:
+                alias.data = empty
+            self.keepers = pushed
+        elif pushed and not self.keepers:
             staying = {id(t) for t in self.stay if t is not None}
             made: dict[int, torch.Tensor] = {}
             keepers = []
@@ -262,9 +282,11 @@ class LayerData:
                 ready[index] = backend.record_event()
         unique, self.layout = self.to_copy()
         self.unique = unique
-        sizes = [t.nbytes for t in unique]
+        # Read once: the pool's views and the reload's tensors take these layouts.
+        self.layouts = layouts = [(t.shape, t.stride(), t.dtype) for t in unique]
+        sizes = [shape.numel() * dtype.itemsize for shape, _, dtype in layouts]
         pool = layer.host_buffers
-        self.host = host = pool.acquire(layer.layer_index, unique, sizes)
+        self.host = host = pool.acquire(layer.layer_index, unique, sizes, layouts)
         stream = layer.offload_stream
         if self.push_stream is not None:  # covers every tensor pushed on that stream
             backend.wait_event(stream, backend.record_event(self.push_stream))
@@ -299,7 +321,7 @@ class LayerData:
                 for host, kept in zip(self.host, self.stay)
             ]
         else:
-            targets = backend.empty_device_many(cast(list[torch.Tensor], self.host))
+            targets = backend.empty_device_many(self.layouts)
         backend.wait_stream(stream, backend.current_stream())
         hosts, reloaded = self._with_host(targets)
         self._copy(layer, "h2d", reloaded, hosts)
