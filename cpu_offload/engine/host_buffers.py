@@ -57,6 +57,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -186,7 +187,7 @@ class HostBufferPool:
         layer_index: int,
         tensors: list[torch.Tensor],
         sizes: list[int] | None = None,
-        layouts: list[Layout] | None = None,
+        layouts: Sequence[Layout] | None = None,
     ) -> list[torch.Tensor | None]:
         """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``;
         ``None`` for a tensor that does not fit under ``max_bytes``.  ``sizes``: the
@@ -200,7 +201,7 @@ class HostBufferPool:
         layer_index: int,
         tensors: list[torch.Tensor],
         sizes: list[int] | None,
-        layouts: list[Layout] | None,
+        layouts: Sequence[Layout] | None,
     ) -> list[torch.Tensor | None]:
         if self.retain and self._retained[layer_index]:
             # Checked before it is taken: after the error the set is still the layer's.
