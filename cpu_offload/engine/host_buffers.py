@@ -205,7 +205,7 @@ class HostBufferPool:
     ) -> list[torch.Tensor | None]:
         if self.retain and self._retained[layer_index]:
             # Checked before it is taken: after the error the set is still the layer's.
-            self._check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
+            _check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
             return self._retained[layer_index].pop()
         if sizes is None:
             sizes = [_nbytes(t) for t in tensors]
@@ -360,16 +360,7 @@ class HostBufferPool:
         self._stats.bytes_kept_by_host_cap += nbytes
         if not self._warned_cap and self.max_bytes is not None:
             self._warned_cap = True
-            warn(
-                f"cpu_offload: the host buffer pool is at max_host_bytes={self.max_bytes} "
-                f"({self.max_bytes / 2**20:.1f} MiB; {self._reserved / 2**20:.1f} MiB reserved), "
-                "so saved tensors that do not fit stay on the device (counted in "
-                "stats.tensors_kept_by_host_cap; gradients are unchanged). Raise "
-                "max_host_bytes or offload fewer layers to move them. This warning is "
-                "shown once.",
-                UserWarning,
-                stacklevel=2,
-            )
+            _warn_capped(self.max_bytes, self._reserved)
 
     def _refused_by_host(self, size: int, error: BaseException) -> None:
         """The host would not give ``size`` more bytes: the pool holds at what it has,
@@ -390,22 +381,6 @@ class HostBufferPool:
         self._reserved -= size
         self._num_free += 1
 
-    @staticmethod
-    def _check_same_layout(
-        layer_index: int, buffers: list[torch.Tensor | None], tensors: list[torch.Tensor]
-    ) -> None:
-        found = [_layout(t) for t in tensors]
-        expected = [None if b is None else _layout(b) for b in buffers]
-        if len(found) != len(expected) or any(
-            e is not None and e != f for e, f in zip(expected, found)
-        ):
-            raise CpuOffloadError(
-                f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "
-                f"saved tensors with other (shape, stride, dtype) than in the previous iteration: "
-                f"expected {expected}, found {found}. Keep shapes (sequence length, batch "
-                "size) fixed between iterations, or pass retain_pinned_cpu_buffers=False."
-            )
-
 
 def _warn_host_refused(size: int, reserved: int, error: BaseException) -> None:
     reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -419,4 +394,33 @@ def _warn_host_refused(size: int, reserved: int, error: BaseException) -> None:
         "shown once.",
         UserWarning,
         stacklevel=4,
+    )
+
+
+def _check_same_layout(
+    layer_index: int, buffers: list[torch.Tensor | None], tensors: list[torch.Tensor]
+) -> None:
+    found = [_layout(t) for t in tensors]
+    expected = [None if b is None else _layout(b) for b in buffers]
+    if len(found) != len(expected) or any(
+        e is not None and e != f for e, f in zip(expected, found)
+    ):
+        raise CpuOffloadError(
+            f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "
+            f"saved tensors with other (shape, stride, dtype) than in the previous iteration: "
+            f"expected {expected}, found {found}. Keep shapes (sequence length, batch "
+            "size) fixed between iterations, or pass retain_pinned_cpu_buffers=False."
+        )
+
+
+def _warn_capped(max_bytes: int, reserved: int) -> None:
+    warn(
+        f"cpu_offload: the host buffer pool is at max_host_bytes={max_bytes} "
+        f"({max_bytes / 2**20:.1f} MiB; {reserved / 2**20:.1f} MiB reserved), "
+        "so saved tensors that do not fit stay on the device (counted in "
+        "stats.tensors_kept_by_host_cap; gradients are unchanged). Raise "
+        "max_host_bytes or offload fewer layers to move them. This warning is "
+        "shown once.",
+        UserWarning,
+        stacklevel=3,
     )

@@ -302,7 +302,7 @@ class LayerData:
             sizes = [n for n, h in zip(sizes, host) if h is not None]
         self.host_bytes = sum(sizes)
         hosts, sources = self._with_host(unique)
-        self._copy(layer, "d2h", hosts, sources)
+        _copy(layer, "d2h", hosts, sources, self.host_bytes)
         self.in_flight = [backend.record_event(stream)]
 
     def copy_in(self, layer: CopyingLayer) -> None:
@@ -324,7 +324,7 @@ class LayerData:
             targets = backend.empty_device_many(self.layouts)
         backend.wait_stream(stream, backend.current_stream())
         hosts, reloaded = self._with_host(targets)
-        self._copy(layer, "h2d", reloaded, hosts)
+        _copy(layer, "h2d", reloaded, hosts, self.host_bytes)
         # One event for the layer: its first pop waits for every copy.
         event = self.reload_event = backend.record_event(stream)
         self.reload_waited_on = NOT_WAITED
@@ -345,23 +345,6 @@ class LayerData:
         pairs = [(h, t) for h, t in zip(self.host, device_tensors) if h is not None]
         return [h for h, _ in pairs], [t for _, t in pairs]
 
-    def _copy(
-        self,
-        layer: CopyingLayer,
-        direction: str,
-        dsts: list[torch.Tensor],
-        srcs: list[torch.Tensor],
-    ) -> None:
-        """The layer's copies in one direction on the offload stream: timed, counted."""
-        if not dsts:  # every tensor stayed (max_host_bytes)
-            return
-        stream, timer = layer.offload_stream, layer.copy_timer
-        start = timer.start(stream) if timer is not None else None
-        layer.backend.copy_many(dsts, srcs, stream, layer.name)
-        layer.stats.count(direction, len(dsts), self.host_bytes)
-        if timer is not None:
-            timer.stop(direction, self.host_bytes, start, stream)
-
     def wait_for_copies(self, layer: CopyingLayer) -> None:
         """The compute stream waits for copies in flight (NOTE [Offload stream
         ordering]), once."""
@@ -376,6 +359,24 @@ class LayerData:
         """The cycle is over: wait for copies in flight, give the host buffers back."""
         self.wait_for_copies(layer)
         layer.host_buffers.release(layer.layer_index, self.host)
+
+
+def _copy(
+    layer: CopyingLayer,
+    direction: str,
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    nbytes: int,
+) -> None:
+    """The layer's copies in one direction on the offload stream: timed, counted."""
+    if not dsts:  # every tensor stayed (max_host_bytes)
+        return
+    stream, timer = layer.offload_stream, layer.copy_timer
+    start = timer.start(stream) if timer is not None else None
+    layer.backend.copy_many(dsts, srcs, stream, layer.name)
+    layer.stats.count(direction, len(dsts), nbytes)
+    if timer is not None:
+        timer.stop(direction, nbytes, start, stream)
 
 
 def pushed_bytes(data: LayerData) -> int:
