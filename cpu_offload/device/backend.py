@@ -120,12 +120,15 @@ class DeviceBackend:
         """A device tensor with the shape, strides and dtype of ``like``, on the current stream."""
         return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
 
-    def empty_device_many(self, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-        """:meth:`empty_device` for each tensor of ``likes`` (one layer's reload)."""
+    def empty_device_many(
+        self, layouts: list[tuple[torch.Size, tuple[int, ...], torch.dtype]]
+    ) -> list[torch.Tensor]:
+        """Device tensors of the ``(shape, stride, dtype)`` of ``layouts``, on the current
+        stream (one layer's reload)."""
         device = self.device
         return [
-            torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
-            for like in likes
+            torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            for shape, stride, dtype in layouts
         ]
 
     def timing_event(self) -> TimingEvent:

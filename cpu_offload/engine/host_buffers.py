@@ -57,6 +57,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -182,20 +183,29 @@ class HostBufferPool:
     # -------------------------------------------------------------- lending
 
     def acquire(
-        self, layer_index: int, tensors: list[torch.Tensor], sizes: list[int] | None = None
+        self,
+        layer_index: int,
+        tensors: list[torch.Tensor],
+        sizes: list[int] | None = None,
+        layouts: Sequence[Layout] | None = None,
     ) -> list[torch.Tensor | None]:
         """Host buffers with the layouts of ``tensors`` (dense), for layer ``layer_index``;
         ``None`` for a tensor that does not fit under ``max_bytes``.  ``sizes``: the
-        tensors' bytes, where the caller has them."""
+        tensors' bytes, and ``layouts``: their ``(shape, stride, dtype)``, where the
+        caller has them."""
         with self._lock:
-            return self._acquire(layer_index, tensors, sizes)
+            return self._acquire(layer_index, tensors, sizes, layouts)
 
     def _acquire(
-        self, layer_index: int, tensors: list[torch.Tensor], sizes: list[int] | None
+        self,
+        layer_index: int,
+        tensors: list[torch.Tensor],
+        sizes: list[int] | None,
+        layouts: Sequence[Layout] | None,
     ) -> list[torch.Tensor | None]:
         if self.retain and self._retained[layer_index]:
             # Checked before it is taken: after the error the set is still the layer's.
-            self._check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
+            _check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
             return self._retained[layer_index].pop()
         if sizes is None:
             sizes = [_nbytes(t) for t in tensors]
@@ -204,15 +214,33 @@ class HostBufferPool:
         buffers: list[torch.Tensor | None] = [None] * len(tensors)
         # Largest first: the largest tensors get the blocks that fit them best.
         order = sorted(range(len(tensors)), key=sizes.__getitem__, reverse=True)
-        for position in order:
+        free_sizes, free, lent = self._free_sizes, self._free, self._lent
+        for position in order:  # the smallest free block large enough, else a new one
             nbytes = sizes[position]
-            block = self._take_block(nbytes)
+            at = bisect.bisect_left(free_sizes, nbytes)
+            if at < len(free_sizes):
+                size = free_sizes[at]
+                blocks = free[size]
+                block: _Block | None = blocks.pop()
+                if not blocks:
+                    del free_sizes[at]
+                self._in_use += size
+            else:
+                block = self._new_block(nbytes)
             if block is None:  # over max_bytes: this tensor stays on the device
                 self._requested -= nbytes
                 self._refuse(nbytes)
                 continue
-            view = block.view_as(tensors[position], nbytes)
-            self._lent[id(view)] = (block, nbytes)
+            like = tensors[position]
+            if layouts is None:
+                layout: Layout = (like.shape, like.stride(), like.dtype)
+            else:
+                layout = layouts[position]
+            if layout == block.layout:
+                view = cast(torch.Tensor, block.view)
+            else:
+                view = block.view_as(like, nbytes)
+            lent[id(view)] = (block, nbytes)
             buffers[position] = view
         return buffers
 
@@ -227,9 +255,20 @@ class HostBufferPool:
         if self.retain:
             self._retained[layer_index].append(buffers)  # still lent: fixed addresses
             return
+        free_sizes, free, lent = self._free_sizes, self._free, self._lent
+        requested = in_use = 0
         for view in buffers:
             if view is not None:
-                self._put_free(self._take_back(view))
+                block, nbytes = lent.pop(id(view))
+                requested += nbytes
+                size = block.size
+                in_use += size
+                blocks = free[size]
+                if not blocks:
+                    bisect.insort(free_sizes, size)
+                blocks.append(block)
+        self._requested -= requested
+        self._in_use -= in_use
 
     def empty_cache(self) -> None:
         """Free the blocks no layer is using (and the buffers retained for later passes)."""
@@ -277,30 +316,27 @@ class HostBufferPool:
 
     # ------------------------------------------------------------- blocks
 
-    def _take_block(self, nbytes: int) -> _Block | None:
-        at = bisect.bisect_left(self._free_sizes, nbytes)
-        if at < len(self._free_sizes):  # never in retain mode: nothing is ever free there
-            size = self._free_sizes[at]
-            block = self._take_free(size)
-        else:
-            size = size_class(nbytes)
-            limits = [n for n in (self.max_bytes, self._host_full) if n is not None]
-            if any(self._in_use + size > limit for limit in limits):
-                # Evicting every free block would not make room: refused before any is
-                # freed, so the blocks later tensors of the step reuse stay.
-                return None
-            # (in retain mode nothing is free to evict)
-            self._evict_for(size, int(RESERVE_RATIO * self._peak_requested))
-            for limit in limits:
-                self._evict_for(size, limit)
-            try:
-                data = self._backend.empty_host_bytes(size)
-            except (RuntimeError, MemoryError) as error:  # NOTE [A host that says no]
-                self._refused_by_host(size, error)
-                return None
-            block = _Block(data)
-            self._reserved += size
-            self._num_alloc += 1
+    def _new_block(self, nbytes: int) -> _Block | None:
+        """A new block for ``nbytes`` (no free one is large enough), or None where the
+        cap or the host refuses it."""
+        size = size_class(nbytes)
+        limits = [n for n in (self.max_bytes, self._host_full) if n is not None]
+        if any(self._in_use + size > limit for limit in limits):
+            # Evicting every free block would not make room: refused before any is
+            # freed, so the blocks later tensors of the step reuse stay.
+            return None
+        # (in retain mode nothing is free to evict)
+        self._evict_for(size, int(RESERVE_RATIO * self._peak_requested))
+        for limit in limits:
+            self._evict_for(size, limit)
+        try:
+            data = self._backend.empty_host_bytes(size)
+        except (RuntimeError, MemoryError) as error:  # NOTE [A host that says no]
+            self._refused_by_host(size, error)
+            return None
+        block = _Block(data)
+        self._reserved += size
+        self._num_alloc += 1
         self._in_use += size
         return block
 
@@ -310,12 +346,6 @@ class HostBufferPool:
             largest = self._free_sizes[-1]
             self._take_free(largest)
             self._count_freed(largest)
-
-    def _put_free(self, block: _Block) -> None:
-        blocks = self._free[block.size]
-        if not blocks:
-            bisect.insort(self._free_sizes, block.size)
-        blocks.append(block)
 
     def _take_free(self, size: int) -> _Block:
         """A free block of class ``size`` (which has one)."""
@@ -330,16 +360,7 @@ class HostBufferPool:
         self._stats.bytes_kept_by_host_cap += nbytes
         if not self._warned_cap and self.max_bytes is not None:
             self._warned_cap = True
-            warn(
-                f"cpu_offload: the host buffer pool is at max_host_bytes={self.max_bytes} "
-                f"({self.max_bytes / 2**20:.1f} MiB; {self._reserved / 2**20:.1f} MiB reserved), "
-                "so saved tensors that do not fit stay on the device (counted in "
-                "stats.tensors_kept_by_host_cap; gradients are unchanged). Raise "
-                "max_host_bytes or offload fewer layers to move them. This warning is "
-                "shown once.",
-                UserWarning,
-                stacklevel=2,
-            )
+            _warn_capped(self.max_bytes, self._reserved)
 
     def _refused_by_host(self, size: int, error: BaseException) -> None:
         """The host would not give ``size`` more bytes: the pool holds at what it has,
@@ -360,22 +381,6 @@ class HostBufferPool:
         self._reserved -= size
         self._num_free += 1
 
-    @staticmethod
-    def _check_same_layout(
-        layer_index: int, buffers: list[torch.Tensor | None], tensors: list[torch.Tensor]
-    ) -> None:
-        found = [_layout(t) for t in tensors]
-        expected = [None if b is None else _layout(b) for b in buffers]
-        if len(found) != len(expected) or any(
-            e is not None and e != f for e, f in zip(expected, found)
-        ):
-            raise CpuOffloadError(
-                f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "
-                f"saved tensors with other (shape, stride, dtype) than in the previous iteration: "
-                f"expected {expected}, found {found}. Keep shapes (sequence length, batch "
-                "size) fixed between iterations, or pass retain_pinned_cpu_buffers=False."
-            )
-
 
 def _warn_host_refused(size: int, reserved: int, error: BaseException) -> None:
     reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -389,4 +394,33 @@ def _warn_host_refused(size: int, reserved: int, error: BaseException) -> None:
         "shown once.",
         UserWarning,
         stacklevel=4,
+    )
+
+
+def _check_same_layout(
+    layer_index: int, buffers: list[torch.Tensor | None], tensors: list[torch.Tensor]
+) -> None:
+    found = [_layout(t) for t in tensors]
+    expected = [None if b is None else _layout(b) for b in buffers]
+    if len(found) != len(expected) or any(
+        e is not None and e != f for e, f in zip(expected, found)
+    ):
+        raise CpuOffloadError(
+            f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "
+            f"saved tensors with other (shape, stride, dtype) than in the previous iteration: "
+            f"expected {expected}, found {found}. Keep shapes (sequence length, batch "
+            "size) fixed between iterations, or pass retain_pinned_cpu_buffers=False."
+        )
+
+
+def _warn_capped(max_bytes: int, reserved: int) -> None:
+    warn(
+        f"cpu_offload: the host buffer pool is at max_host_bytes={max_bytes} "
+        f"({max_bytes / 2**20:.1f} MiB; {reserved / 2**20:.1f} MiB reserved), "
+        "so saved tensors that do not fit stay on the device (counted in "
+        "stats.tensors_kept_by_host_cap; gradients are unchanged). Raise "
+        "max_host_bytes or offload fewer layers to move them. This warning is "
+        "shown once.",
+        UserWarning,
+        stacklevel=3,
     )

@@ -56,15 +56,8 @@ from ..report.stats import OffloadStats
 from ..report.step_record import SaveCounts
 from .host_buffers import HostBufferPool
 
-__all__ = [
-    "NOT_WAITED",
-    "CopyingLayer",
-    "LayerData",
-    "count_moves",
-    "hand_out",
-    "pushed_bytes",
-    "version_keeper",
-]
+__all__ = ["NOT_WAITED", "CopyingLayer", "LayerData", "count_moves", "hand_out"]
+__all__ += ["pushed_bytes", "version_keeper"]
 
 #: ``LayerData.reload_waited_on`` before any stream waited for the reload
 NOT_WAITED = object()
@@ -83,12 +76,15 @@ def version_keeper(tensor: torch.Tensor, own: bool = False) -> torch.Tensor:
     A view is never its own keeper: it holds its base (``_base``), and with it the
     base's memory, whatever its ``.data``."""
     keeper = tensor if own and tensor._base is None else tensor.detach()
-    device = tensor.device
-    empty = _NO_MEMORY.get(device)
-    if empty is None:
-        empty = _NO_MEMORY[device] = torch.empty(0, device=device)
-    keeper.data = empty
+    keeper.data = _no_memory(tensor.device)
     return keeper
+
+
+def _no_memory(device: torch.device) -> torch.Tensor:
+    """The empty tensor of ``device`` that version keepers point at."""
+    if device not in _NO_MEMORY:
+        _NO_MEMORY[device] = torch.empty(0, device=device)
+    return _NO_MEMORY[device]
 
 
 class CopyingLayer(Protocol):
@@ -104,9 +100,8 @@ class CopyingLayer(Protocol):
 
 
 class _NoGrad:
-    """Grad mode off around a layer's copies: a copy must not enter the graph (a host
-    buffer would keep it alive).  What ``torch.no_grad`` does, for a tenth of its cost,
-    paid per layer on the hooks' path."""
+    """Grad mode off around a layer's copies (a copy must not enter the graph: a host
+    buffer would keep it alive); ``torch.no_grad`` at a tenth of its cost, per layer."""
 
     __slots__ = ("was",)
 
@@ -136,9 +131,11 @@ class LayerData:
         via_base: pushed positions of views that move through their base; None: none.
         grouped: whether group processing has work (a view moves through its base, or
             a tensor was pushed twice); otherwise tensors are copied as they are.
+        leaves: whether a tensor pushed is held as it is (a leaf: the user's own tensor).
         modified: ``pushed position -> version`` of tensors modified before their copy.
         layout: how to undo group processing.
         unique: the device tensors being copied (after group processing).
+        layouts: per unique tensor, its ``(shape, stride, dtype)``.
         host: per unique tensor, its host buffer (None: over ``max_host_bytes``, stays);
         stay: per unique tensor that stays, the tensor (else None); empty if none stays.
         host_bytes: bytes of the host copies.
@@ -160,8 +157,10 @@ class LayerData:
         "aliases",
         "via_base",
         "grouped",
+        "leaves",
         "modified",
         "layout",
+        "layouts",
         "unique",
         "host",
         "stay",
@@ -186,8 +185,10 @@ class LayerData:
         self.aliases: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self.via_base: set[int] | None = None
         self.grouped = False
+        self.leaves = False
         self.modified: dict[int, int] = {}
         self.layout: GroupLayout | None = None
+        self.layouts: list[tuple[torch.Size, tuple[int, ...], torch.dtype]] = []
         self.unique: list[torch.Tensor] = []
         self.host: list[torch.Tensor | None] = []
         self.stay: list[torch.Tensor | None] = []
@@ -213,7 +214,11 @@ class LayerData:
         if entry is not None and entry[0]() is tensor:
             self.grouped = True
             return entry[1]
-        alias = tensor if tensor.is_leaf and tensor._base is None else tensor.detach()
+        if tensor.is_leaf and tensor._base is None:
+            alias = tensor  # the user's own tensor: not the layer's to empty
+            self.leaves = True
+        else:
+            alias = tensor.detach()
         self.aliases[key] = (ref if ref is not None else weakref.ref(tensor), alias)
         return alias
 
@@ -233,7 +238,13 @@ class LayerData:
         that stays on the device get a keeper of their own.  A tensor pushed twice has
         one keeper."""
         pushed = self.pushed
-        if pushed and not self.keepers:
+        if pushed and not self.keepers and not (self.grouped or self.stay or self.leaves):
+            # Every alias is the layer's own detach(), no view, pushed once: its own keeper.
+            empty = _no_memory(pushed[0].device)  # (all on the device they move from)
+            for alias in pushed:
+                alias.data = empty
+            self.keepers = pushed
+        elif pushed and not self.keepers:
             staying = {id(t) for t in self.stay if t is not None}
             made: dict[int, torch.Tensor] = {}
             keepers = []
@@ -282,9 +293,11 @@ class LayerData:
                 ready[index] = backend.record_event()
         unique, self.layout = self.to_copy()
         self.unique = unique
-        sizes = [t.nbytes for t in unique]
+        # Read once: the pool's views and the reload's tensors take these layouts.
+        self.layouts = layouts = [(t.shape, t.stride(), t.dtype) for t in unique]
+        sizes = [shape.numel() * dtype.itemsize for shape, _, dtype in layouts]
         pool = layer.host_buffers
-        self.host = host = pool.acquire(layer.layer_index, unique, sizes)
+        self.host = host = pool.acquire(layer.layer_index, unique, sizes, layouts)
         stream = layer.offload_stream
         if self.push_stream is not None:  # covers every tensor pushed on that stream
             backend.wait_event(stream, backend.record_event(self.push_stream))
@@ -300,7 +313,7 @@ class LayerData:
             sizes = [n for n, h in zip(sizes, host) if h is not None]
         self.host_bytes = sum(sizes)
         hosts, sources = _with_host(self, unique)
-        self._copy(layer, "d2h", hosts, sources)
+        _copy(layer, "d2h", hosts, sources, self.host_bytes)
         self.in_flight = [backend.record_event(stream)]
 
     def copy_in(self, layer: CopyingLayer) -> None:
@@ -319,10 +332,10 @@ class LayerData:
                 for host, kept in zip(self.host, self.stay)
             ]
         else:
-            targets = backend.empty_device_many(cast(list[torch.Tensor], self.host))
+            targets = backend.empty_device_many(self.layouts)
         backend.wait_stream(stream, backend.current_stream())
         hosts, reloaded = _with_host(self, targets)
-        self._copy(layer, "h2d", reloaded, hosts)
+        _copy(layer, "h2d", reloaded, hosts, self.host_bytes)
         # One event for the layer: its first pop waits for every copy.
         event = self.reload_event = backend.record_event(stream)
         self.reload_waited_on = NOT_WAITED
@@ -334,23 +347,6 @@ class LayerData:
             reloaded = TensorGroupProcessor.process_after_reload(group).tensor_list
         self.reloaded = cast("list[torch.Tensor | None]", reloaded)
         self.pops_left = None if self.shares is None else dict(self.shares)
-
-    def _copy(
-        self,
-        layer: CopyingLayer,
-        direction: str,
-        dsts: list[torch.Tensor],
-        srcs: list[torch.Tensor],
-    ) -> None:
-        """The layer's copies in one direction on the offload stream: timed, counted."""
-        if not dsts:  # every tensor stayed (max_host_bytes)
-            return
-        stream, timer = layer.offload_stream, layer.copy_timer
-        start = timer.start(stream) if timer is not None else None
-        layer.backend.copy_many(dsts, srcs, stream, layer.name)
-        layer.stats.count(direction, len(dsts), self.host_bytes)
-        if timer is not None:
-            timer.stop(direction, self.host_bytes, start, stream)
 
     def wait_for_copies(self, layer: CopyingLayer) -> None:
         """The compute stream waits for copies in flight (NOTE [Offload stream
@@ -407,6 +403,24 @@ def hand_out(data: LayerData, layer: CopyingLayer, position: int) -> torch.Tenso
             layer.stats.count("h2d", 1, host.nbytes)
         view = None if layout is None else layout.views[position]
         return tensor if view is None else tensor.as_strided(*view)
+
+
+def _copy(
+    layer: CopyingLayer,
+    direction: str,
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    nbytes: int,
+) -> None:
+    """The layer's copies in one direction on the offload stream: timed, counted."""
+    if not dsts:  # every tensor stayed (max_host_bytes)
+        return
+    stream, timer = layer.offload_stream, layer.copy_timer
+    start = timer.start(stream) if timer is not None else None
+    layer.backend.copy_many(dsts, srcs, stream, layer.name)
+    layer.stats.count(direction, len(dsts), nbytes)
+    if timer is not None:
+        timer.stop(direction, nbytes, start, stream)
 
 
 def pushed_bytes(data: LayerData) -> int:

@@ -21,6 +21,7 @@ __all__ = [
     "is_marked_not_offload",
     "mark_storage_not_offload",
     "marks_of",
+    "marked_storages",
     "set_mark",
 ]
 
@@ -45,6 +46,8 @@ _lock = threading.Lock()
 # Storages marked "do not offload", by storage pointer.  A weak reference keeps the
 # storage's control block, so a pointer cannot be reused while its entry exists.
 _not_offloaded: dict[int, StorageWeakRef] = {}
+#: the same dictionary: empty while no storage is marked (a check without a call)
+marked_storages = _not_offloaded
 
 
 def marks_of(tensor: torch.Tensor) -> TensorMarks | None:

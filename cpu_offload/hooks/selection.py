@@ -12,7 +12,7 @@ import torch
 
 from ..device.backend import is_dense
 from ..log import logger
-from .marks import TensorMarks, is_marked_not_offload, marks_of
+from .marks import TensorMarks, is_marked_not_offload, marked_storages, marks_of
 from .tensor_group import AUTO_BASE_MAX_RATIO, offloads_through_base
 
 __all__ = [
@@ -178,7 +178,7 @@ def plain_kept_because(
     # an isinstance check against Parameter runs Python code, so it is asked last.)
     if base is not None and base.is_leaf and isinstance(base, _Parameter):
         return PARAMETER
-    if is_marked_not_offload(tensor, marks):
+    if (marks is not None or marked_storages) and is_marked_not_offload(tensor, marks):
         return MARKED
     if tensor.is_conj() or tensor.is_neg() or _is_functional(tensor):
         return BIT_OR_TRACING  # (fake tensors are a subclass, refused above)

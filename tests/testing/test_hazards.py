@@ -108,9 +108,9 @@ def test_hazard_retained_buffer_shared_by_passes_in_flight(monkeypatch):
     original_acquire = HostBufferPool.acquire
     shared: dict[int, list[torch.Tensor]] = {}
 
-    def acquire_shared(self, layer_index, tensors, sizes=None):
+    def acquire_shared(self, layer_index, tensors, sizes=None, layouts=None):
         if layer_index not in shared:
-            shared[layer_index] = original_acquire(self, layer_index, tensors, sizes)
+            shared[layer_index] = original_acquire(self, layer_index, tensors, sizes, layouts)
         return shared[layer_index]
 
     layers = make_layers("mlp", 4, WIDTH, torch.float32)
