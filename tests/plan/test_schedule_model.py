@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from cpu_offload.device.profiles import PROFILES, get_profile
 from cpu_offload.plan import DeviceProfile, LayerProfile, plan_offload, simulate
-from cpu_offload.plan.profiles import PROFILES, get_profile
 
 UNIT = 100  # bytes one layer saves
 
