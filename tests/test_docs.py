@@ -82,7 +82,7 @@ def test_the_readme_says_what_this_is_and_how_to_run_it_in_its_first_25_lines():
     commands = [i for i, line in enumerate(first) if line.startswith("pip install -e ")]
     assert len(commands) == 2 and note < commands[0]
     assert "python -m cpu_offload " in first[commands[0]]
-    assert '".[test,bench,integrations]" && python -m pytest' in first[commands[1]]
+    assert '".[test,bench,integrations,peers]" && python -m pytest' in first[commands[1]]
     assert re.search(r"\d+ passed, \d+ skipped", first[commands[1]])
     assert "from transformers import" in text and "print(handle.report())" in text
     assert 'offload_layers(model, memory_budget="' in text
