@@ -11,6 +11,7 @@ from ..device.profiles import PROFILES, get_profile
 from ..hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from ..models import DTYPES
 from ..models.presets import MODEL_PRESETS
+from ..plan.pipeline import shape_error
 from ..plan.planner import MAX_LAYERS
 
 GIB = 2**30
@@ -243,21 +244,10 @@ def _check_pipeline(parser: Parser, args: argparse.Namespace, layers: int) -> No
             f"--virtual-stages {args.virtual_stages}: sets the stages per rank of --schedule "
             f"interleaved, not of {args.schedule}"
         )
-    stages = args.pipeline_stages * (
-        (args.virtual_stages or 2) if args.schedule == "interleaved" else 1
-    )
-    if layers % stages:
-        parser.error(
-            f"--layers {layers}: expected a multiple of the pipeline's {stages} stages, so "
-            "that every stage has as many layers"
-        )
-    if args.schedule == "interleaved":
-        rounds = max(1, args.microbatches // args.pipeline_stages)
-        if args.microbatches % rounds:
-            parser.error(
-                f"--microbatches {args.microbatches}: the interleaved schedule runs {rounds} "
-                f"rounds over {args.pipeline_stages} ranks; expected a multiple of {rounds}"
-            )
+    per_rank = (args.virtual_stages or 2) if args.schedule == "interleaved" else 1
+    error = shape_error(layers, args.pipeline_stages, per_rank, args.schedule, args.microbatches)
+    if error:
+        parser.error(error)
 
 
 def _offloaded_ks(

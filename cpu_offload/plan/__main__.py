@@ -29,7 +29,7 @@ from .census import ATTENTIONS, LayerProfile, measure_layer
 from .layers import LayerSpec, gpt_layer, hf_layer, preset_layer
 from .module_search import ModuleSearch
 from .node import Node, host_memory_argument
-from .pipeline import SCHEDULES, PipelinePlan, gradient_accumulation_s, plan_pipeline
+from .pipeline import SCHEDULES, PipelinePlan, gradient_accumulation_s, plan_pipeline, shape_error
 from .planner import MAX_LAYERS, Plan, plan_offload
 from .policy_search import MAX_SEARCH_LAYERS, PolicyPlan
 from .schedule_model import LayerCosts, PlanRow
@@ -426,21 +426,12 @@ def check_pipeline(cli: Parser, args: argparse.Namespace, num_layers: int) -> in
         )
     per_rank = {"interleaved": args.virtual_stages or 2, "zbv": 2}.get(args.schedule, 1)
     args.virtual_stages = per_rank
+    error = shape_error(
+        num_layers, args.pipeline_stages, per_rank, args.schedule, args.microbatches
+    )
+    if error:
+        cli.error(error)
     stages = args.pipeline_stages * per_rank
-    if num_layers % stages or num_layers < stages:
-        cli.error(
-            f"--layers {num_layers}: expected a multiple of the pipeline's {stages} stages "
-            f"(--pipeline-stages {args.pipeline_stages}, {per_rank} per rank), so that every "
-            "stage has as many layers"
-        )
-    if args.schedule == "interleaved":
-        rounds = max(1, args.microbatches // args.pipeline_stages)
-        if args.microbatches % rounds:
-            cli.error(
-                f"--microbatches {args.microbatches}: the interleaved schedule runs "
-                f"{rounds} rounds over {args.pipeline_stages} ranks; expected a multiple of "
-                f"{rounds}"
-            )
     return num_layers // stages
 
 

@@ -59,6 +59,7 @@ from ..report.policy_words import describe_policy, pass_policy_words
 from .schedule_model import LayerCosts, first_k
 
 __all__ = [
+    "shape_error",
     "SCHEDULES",
     "Action",
     "PipelinePlan",
@@ -176,6 +177,25 @@ def rank_orders(
                 f"{virtual}; please report this bug"
             )
     return orders
+
+
+def shape_error(layers: int, ranks: int, per_rank: int, schedule: str, microbatches: int) -> str:
+    """Why ``layers`` over ``ranks`` x ``per_rank`` stages and ``microbatches`` is not a
+    pipeline the schedule runs (``""``: it is), as the commands say it."""
+    stages = ranks * per_rank
+    if layers % stages or layers < stages:
+        return (
+            f"--layers {layers}: expected a multiple of the pipeline's {stages} stages "
+            f"(--pipeline-stages {ranks}, {per_rank} per rank), so that every stage has as "
+            "many layers"
+        )
+    rounds = max(1, microbatches // ranks)
+    if schedule == "interleaved" and microbatches % rounds:
+        return (
+            f"--microbatches {microbatches}: the interleaved schedule runs {rounds} rounds "
+            f"over {ranks} ranks; expected a multiple of {rounds}"
+        )
+    return ""
 
 
 def in_flight(order: Sequence[Action]) -> int:
