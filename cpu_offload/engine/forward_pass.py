@@ -44,7 +44,8 @@ class ForwardPass:
         hooked_layers: the layers whose backward starts at its node.
         moved_whole: every layer of the pass goes to the host, the last included
             (``keep_passes``: NOTE [Moving a pass whole] in pass_schedule.py), and
-        brought_back: whether its reload has started.
+        brought_back: whether its reload has started, and
+        reload_next: the next of its layers to reload, from the last down (-1: none).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class ForwardPass:
         self.choices: list[str] | None = None
         self.moved_whole = False
         self.brought_back = False
+        self.reload_next = -1
 
     def state(self, layer: int) -> OffloadableLayerState:
         """The state of ``layer``, made when first asked for: a layer that is not

@@ -13,14 +13,20 @@ NOTE [Moving a pass whole]
     at the forward of layer ``j`` the copy of layer ``j - 1`` starts and layer ``j - 2``
     is released (its copy had a layer's forward to run behind); at the end of the pass's
     forward the last layer's copy starts and the last two layers are released, so that
-    the device holds nothing of the pass afterwards.  When the backward of an older pass
-    starts, the queue moves up: each moved pass whose position is now below ``N`` starts
-    the reload of all its layers (last layer first, the order its backward needs them),
-    and is resident before its own backward starts.  A backward that reaches a moved
-    pass not brought back (the schedule ran a younger pass's backward first: reverse or
-    interleaved orders) reloads that pass on demand, counted in
-    ``stats.on_demand_reloads``, warned once.  Every copy is the per-layer mechanism's
-    (``layer_state.py``): what a pass moves whole computes what it computes kept.
+    the device holds nothing of the pass afterwards.  It comes back layer by layer, in
+    the order its backward needs them, as the per-layer schedule reloads: when the
+    backward of an older pass starts, the queue moves up, and each moved pass whose
+    position is now below ``N`` starts the reload of its last layer only (prefetched
+    behind the older pass's backward); as its own backward reaches layer ``j``, the
+    reload of layer ``j - 1`` starts (behind layer ``j``'s backward), and of any layer
+    above it not started yet (a layer whose backward hook did not run).  The device so
+    holds of a pass brought back one layer until its backward starts, and two layers
+    while it runs, not the whole pass.  A backward that reaches a moved pass not brought
+    back (the schedule ran a younger pass's backward first: reverse or interleaved
+    orders) starts its last layer's reload then, without overlap (counted in
+    ``stats.on_demand_reloads``, warned once), and the rest as above.  Every copy is the
+    per-layer mechanism's (``layer_state.py``): what a pass moves whole computes what it
+    computes kept.
 """
 
 from __future__ import annotations
@@ -98,9 +104,9 @@ class PassSchedule:
 
     def backward_starts(self, forward_pass: ForwardPass, waiting: Sequence[ForwardPass]) -> None:
         """The backward of ``forward_pass`` starts; ``waiting``: the passes whose
-        backward has not started, oldest first.  A moved pass not brought back is
-        reloaded now; the moved passes that move up to a position below ``N`` start
-        coming back."""
+        backward has not started, oldest first.  A moved pass not brought back starts
+        its last layer's reload now (on demand); the moved passes that move up to a
+        position below ``N`` start bringing their last layer back."""
         if forward_pass.moved_whole and not forward_pass.brought_back:
             self._reload_on_demand(forward_pass)
         for queued in waiting[: self.keep_passes]:
@@ -109,32 +115,53 @@ class PassSchedule:
 
     @staticmethod
     def bring_back(forward_pass: ForwardPass) -> None:
-        """Start the reload of every layer of a moved pass, last layer first."""
+        """Start the reload of a moved pass's last layer (the first its backward needs);
+        the others follow as its backward runs (:meth:`on_backward`)."""
         forward_pass.brought_back = True
-        for layer in reversed(range(forward_pass.layers_forwarded)):
-            state = forward_pass.made_state(layer)
+        forward_pass.reload_next = forward_pass.layers_forwarded - 1
+        PassSchedule.reload_down_to(forward_pass, forward_pass.reload_next)
+
+    @staticmethod
+    def on_backward(forward_pass: ForwardPass, layer: int) -> None:
+        """Backward reaches ``layer`` of a moved pass: the reload of the layer below it
+        starts (and of any layer above it not started yet)."""
+        PassSchedule.reload_down_to(forward_pass, layer - 1)
+
+    @staticmethod
+    def reload_down_to(forward_pass: ForwardPass, lowest: int) -> None:
+        """Start the reloads of the pass's layers from its next one down to ``lowest``."""
+        while forward_pass.reload_next >= max(lowest, 0):
+            state = forward_pass.made_state(forward_pass.reload_next)
+            forward_pass.reload_next -= 1
             if state is not None and state.state is LayerState.OFFLOAD_FINISHED:
                 state.start_reload()
 
     def _reload_on_demand(self, forward_pass: ForwardPass) -> None:
         for layer in reversed(range(forward_pass.layers_forwarded)):
             state = forward_pass.made_state(layer)
-            if state is None:
-                continue
-            if state.state is LayerState.OFFLOAD_STARTED:  # its forward just ended
-                state.release_activation_forward_gpu_memory()
-            if state.state is LayerState.OFFLOAD_FINISHED and state.holds_data():
-                self.stats.on_demand_reloads += 1
+            if state is not None and state.state is LayerState.OFFLOAD_STARTED:
+                state.release_activation_forward_gpu_memory()  # its forward just ended
+        top = next(
+            (
+                state
+                for layer in reversed(range(forward_pass.layers_forwarded))
+                if (state := forward_pass.made_state(layer)) is not None
+                and state.state is LayerState.OFFLOAD_FINISHED
+            ),
+            None,
+        )
+        if top is not None and top.holds_data():
+            self.stats.on_demand_reloads += 1  # the layer its backward needs first
         if not self._warned and forward_pass.layers_forwarded:
             self._warned = True
             warn(
                 f"cpu_offload: the backward of forward pass {forward_pass.index} started "
                 f"before the backward of an older pass in flight; with keep_passes="
-                f"{self.keep_passes} it had been moved whole to the host, and is reloaded "
-                "now, without overlap with compute. keep_passes expects each pass's "
-                "backward in the order of the forwards (1F1B, GPipe); raise keep_passes to "
-                "the passes in flight, or pass None, for other orders. This warning is "
-                "shown once.",
+                f"{self.keep_passes} it had been moved whole to the host, and its last "
+                "layer is reloaded now, without overlap with compute. keep_passes expects "
+                "each pass's backward in the order of the forwards (1F1B, GPipe); raise "
+                "keep_passes to the passes in flight, or pass None, for other orders. This "
+                "warning is shown once.",
                 UserWarning,
                 stacklevel=6,
             )

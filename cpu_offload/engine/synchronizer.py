@@ -432,6 +432,9 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             )
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
+        if forward_pass.moved_whole:
+            PassSchedule.on_backward(forward_pass, layer)
+            return
         for reloaded in self.reload_schedule[layer]:
             state = forward_pass.state(reloaded)
             if state.state is LayerState.OFFLOAD_FINISHED:

@@ -38,11 +38,16 @@ NOTE [The stage model]
     ``j - 1`` starts and layer ``j - 2`` is released (the compute stream waits for its
     copy), and as the forward ends the last layer's copy starts and the last two layers
     are released; when the backward of an older pass starts and the pass's place in the
-    queue drops below ``N``, every layer's reload starts, last layer first (a pass whose
-    own backward comes first is reloaded then, on demand), and its backward waits for
-    each layer's reload.  Its copies hide behind the other passes' compute: a pass ``p``
-    places behind the oldest waits about ``in_flight - p`` micro-batch slots for its
-    backward.
+    queue drops below ``N``, its last layer's reload starts (a pass whose own backward
+    comes first starts it then, on demand), and as its backward reaches layer ``j`` the
+    reload of layer ``j - 1`` starts; its backward waits for each layer's reload.  Its
+    copies to the host hide behind the other passes' compute (a pass ``p`` places behind
+    the oldest waits about ``in_flight - p`` micro-batch slots for its backward), its
+    reloads behind the older pass's backward and its own layers' backwards.
+
+    The stage's peak is the model of NOTE [A stage's passes in flight] in
+    ``stage_plan.py`` (:func:`stage_peak`), walked over the rank's order: memory moves
+    only at layer boundaries, so the clocks above do not change it.
 
 Every figure is a prediction; memory is the layers' saved activations only.
 """
@@ -50,13 +55,23 @@ Every figure is a prediction; memory is the layers' saved activations only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..device.profiles import DeviceProfile
 from ..engine.schedule import schedule_points
 from ..report.policy_words import describe_policy, pass_policy_words
-from .schedule_model import LayerCosts, first_k
+from .schedule_model import LayerCosts, first_k, simulate_policy
+from .stage_plan import (
+    BACKWARD,
+    FORWARD,
+    INPUT,
+    WEIGHT,
+    Action,
+    kept_pass,
+    moved_pass,
+    stage_peak,
+)
 
 __all__ = [
     "shape_error",
@@ -81,19 +96,6 @@ SCHEDULES = {
     "interleaved": "ScheduleInterleaved1F1B",
     "zbv": "ScheduleZBVZeroBubble",
 }
-FORWARD, BACKWARD, INPUT, WEIGHT = "F", "B", "I", "W"
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of a rank's order: ``kind`` (``F``, ``B``; ZB-V's ``I`` and ``W``) of
-    micro-batch ``microbatch`` at the pipeline's stage ``stage``, the rank's ``chunk``-th
-    stage (0 with one stage per rank)."""
-
-    kind: str
-    microbatch: int
-    stage: int
-    chunk: int
 
 
 def _torch_orders(schedule: str, ranks: int, microbatches: int, virtual: int) -> dict:
@@ -309,7 +311,6 @@ class StageRow:
         exposed_copy_s: time the compute stream waited for copies.
         waited_s: time it waited for its inputs (the neighbours).
         passes_moved_whole: passes the policy moved whole.
-        log: ``(label, bytes on the device)`` at each layer boundary.
     """
 
     peak_bytes: int
@@ -318,33 +319,30 @@ class StageRow:
     exposed_copy_s: float
     waited_s: float
     passes_moved_whole: int
-    log: list[tuple[str, int]] = field(default_factory=list, repr=False)
 
 
 class _Pass:
-    """One pass's layers on the device and its copies in flight."""
+    """One pass's copies in flight."""
 
     def __init__(self, layers: int, whole: bool, policy: list[str]) -> None:
         self.whole = whole
-        self.resident = [0] * layers
         self.copy_done: dict[int, float] = {}
         self.reload_done: dict[int, float] = {}
         offloaded = [j for j, c in enumerate(policy) if c != "keep"]
         self.points = {} if whole else schedule_points(layers, offloaded)
-        self.back = False  # a whole pass: its reload has started
+        self.back = False  # a whole pass: its last layer's reload has started
         self.started = False  # its backward has started
 
 
 class _Stage:
-    """The clocks and memory of one rank while its actions run (NOTE [The stage model])."""
+    """The clocks of one rank while its actions run (NOTE [The stage model])."""
 
     def __init__(self, costs: list[LayerCosts], d2h: float, h2d: float) -> None:
         self.costs, self.d2h, self.h2d = costs, d2h, h2d
         self.compute = self.waited = self.exposed = 0.0
         self.streams: dict[int, float] = {}
         self.engines = {"d2h": 0.0, "h2d": 0.0}
-        self.total = self.peak = self.offloaded = 0
-        self.log: list[tuple[str, int]] = []
+        self.offloaded = 0
 
     def copy(self, chunk: int, direction: str, nbytes: int) -> float:
         """A copy on the chunk's stream issued now; returns when it is done."""
@@ -361,29 +359,30 @@ class _Stage:
             self.exposed += done - self.compute
             self.compute = done
 
-    def hold(self, state: _Pass, layer: int, nbytes: int) -> None:
-        self.total += nbytes - state.resident[layer]
-        state.resident[layer] = nbytes
-
-    def note(self, label: str) -> None:
-        self.peak = max(self.peak, self.total)
-        self.log.append((label, self.total))
-
     def offload(self, state: _Pass, chunk: int, layer: int) -> None:
         """Start the copy of ``layer`` to the host."""
         state.copy_done[layer] = self.copy(chunk, "d2h", self.costs[layer].offloaded_bytes)
 
     def release(self, state: _Pass, layer: int) -> None:
-        """The compute stream waits for the layer's copy; its device memory goes."""
+        """The compute stream waits for the layer's copy (its device memory goes)."""
         self.wait_for(state.copy_done.pop(layer))
-        cost = self.costs[layer]
-        self.hold(state, layer, cost.saved_bytes - cost.offloaded_bytes)
 
     def reload(self, state: _Pass, chunk: int, layer: int) -> None:
-        """Start the copy of ``layer`` back (its device memory is allocated now)."""
+        """Start the copy of ``layer`` back."""
         nbytes = self.costs[layer].offloaded_bytes
         state.reload_done[layer] = self.copy(chunk, "h2d", nbytes)
-        self.hold(state, layer, state.resident[layer] + nbytes)
+
+
+def stage_passes(
+    costs: Sequence[LayerCosts], policy: StagePolicy, d2h: float, h2d: float
+) -> tuple[Any, Any]:
+    """What a pass of ``policy``'s kept passes and of its passes moved whole holds in each
+    phase (:class:`~cpu_offload.plan.stage_plan.PassBytes`), for :func:`stage_peak`."""
+    each = list(costs)
+    row = simulate_policy(first_k(len(each), policy.k), each, d2h, h2d)
+    whole = [c.saved_bytes for c in each]
+    stays = [c.saved_bytes - c.offloaded_bytes for c in each]
+    return kept_pass(row, sum(whole)), moved_pass(whole, stays)
 
 
 def simulate_stage(
@@ -398,7 +397,8 @@ def simulate_stage(
 ) -> StageRow:
     """Run one rank's ``order`` of actions (each waiting for its input's arrival,
     ``ready``) with ``policy`` on each of its stages of ``layers`` layers (NOTE [The stage
-    model]); ``accumulate_s``: the stage's time to add a micro-batch's gradients."""
+    model]); ``accumulate_s``: the stage's time to add a micro-batch's gradients.  Its
+    peak is :func:`~cpu_offload.plan.stage_plan.stage_peak`'s."""
     each = costs.per_layer(layers) if isinstance(costs, LayerCosts) else list(costs)
     run = _Stage(each, d2h_bytes_per_s, h2d_bytes_per_s)
     layer_policy = first_k(layers, policy.k)
@@ -418,10 +418,7 @@ def simulate_stage(
         elif action.kind == WEIGHT:
             run.compute += sum(c.backward_s for c in each) / 2
             run.compute += accumulate_s if action.microbatch > 0 else 0.0
-            for layer in range(layers):
-                run.hold(passes[key], layer, 0)
             del passes[key]
-            run.note(f"W{action.microbatch}.{action.chunk}")
         else:
             passes[key].started = True
             _backward_starts(run, passes, key, action.chunk, policy.keep_passes)
@@ -429,14 +426,14 @@ def simulate_stage(
             if action.kind == BACKWARD:
                 run.compute += accumulate_s if action.microbatch > 0 else 0.0
                 del passes[key]
+    kept, moved = stage_passes(each, policy, d2h_bytes_per_s, h2d_bytes_per_s)
     return StageRow(
-        peak_bytes=run.peak,
+        peak_bytes=int(stage_peak(order, kept, moved, policy.keep_passes)),
         offloaded_bytes=run.offloaded,
         step_s=run.compute,
         exposed_copy_s=run.exposed,
         waited_s=run.waited,
         passes_moved_whole=whole_count,
-        log=run.log,
     )
 
 
@@ -463,12 +460,10 @@ def _forward(run: _Stage, state: _Pass, action: Action) -> None:
             if j in released_at:
                 run.release(state, released_at[j])
         run.compute += each[j].forward_s
-        run.hold(state, j, each[j].saved_bytes)
         if state.whole and j == L - 1:
             run.offload(state, action.chunk, L - 1)
             for layer in range(max(L - 2, 0), L):
                 run.release(state, layer)
-        run.note(f"F{action.microbatch}.{action.chunk} forward {j}")
 
 
 def _backward_starts(
@@ -478,34 +473,31 @@ def _backward_starts(
     chunk: int,
     keep: int | None,
 ) -> None:
-    """The backward of ``key`` starts: a pass moved whole and not brought back comes back
-    now (on demand), and the passes moved whole whose place in the queue drops below
-    ``keep`` start coming back, every layer, last layer first."""
+    """The backward of ``key`` starts: a pass moved whole and not brought back starts its
+    last layer's reload now (on demand), and so do the passes moved whole whose place in
+    the queue drops below ``keep``; their other layers follow in their backward."""
     if keep is None:
         return
     for state in [passes[key], *_waiting(passes, chunk, key)[:keep]]:
         if state.whole and not state.back:
             state.back = True
-            for layer in reversed(range(len(run.costs))):
-                run.reload(state, chunk, layer)
+            run.reload(state, chunk, len(run.costs) - 1)
 
 
 def _backward(run: _Stage, state: _Pass, action: Action) -> None:
-    """One pass's backward (ZB-V's ``I``: everything stays until ``W``)."""
+    """One pass's backward (ZB-V's ``I``: everything stays until ``W``); a pass moved whole
+    starts the reload of layer ``j - 1`` as its backward reaches layer ``j``."""
     each, L = run.costs, len(run.costs)
     reloaded_at = {reload: layer for layer, (_, reload) in state.points.items()}
     split = action.kind == INPUT
     for j in reversed(range(L)):
-        if j + 1 < L and not split:
-            run.hold(state, j + 1, 0)
+        if state.whole and j >= 1:
+            run.reload(state, action.chunk, j - 1)
         if j in reloaded_at:
             run.reload(state, action.chunk, reloaded_at[j])
         if j in state.reload_done:
             run.wait_for(state.reload_done[j])
         run.compute += each[j].backward_s / (2 if split else 1)
-        run.note(f"{action.kind}{action.microbatch}.{action.chunk} backward {j}")
-    if not split:
-        run.hold(state, 0, 0)
 
 
 @dataclass

@@ -87,7 +87,8 @@ def test_the_stage_peak_counts_the_passes_that_wait():
     """The arithmetic of NOTE [A stage's passes in flight], eight passes in flight, on two
     layers of 4 MiB that cannot be checkpointed and a link too fast to expose copies: by
     layer each waiting pass keeps what its policy keeps at the end of its forward; moved
-    whole it keeps nothing, the pass in backward and the one brought back are whole."""
+    whole it keeps nothing, and comes back a layer at a time: the pass in backward holds
+    its two layers, the one brought back its last layer."""
     layer = costs(4 * MiB)
     search = PolicySearch.of_layers([layer] * 2, 1e12, 1e12, hazards=[["no"]] * 2)
     row = simulate_policy(["offload", "keep"], [layer] * 2, 1e12, 1e12)
@@ -96,13 +97,16 @@ def test_the_stage_peak_counts_the_passes_that_wait():
     plan = choose_for_stage(search, 8 * 8 * MiB, None, in_flight=8)  # all fits: keep all
     assert plan.runs() == "0-1 keep; every pass of 8 in flight" and plan.keep_passes is None
     assert plan.predicted.peak_bytes == 8 * 8 * MiB
-    moved_whole = 2 * 8 * MiB  # the pass in backward and the one brought back
+    # the pass in backward (both layers) and the last layer of the one brought back; a
+    # whole pass brought back at once would add its first layer (16 MiB)
+    moved_whole = 3 * 4 * MiB
     plan = choose_for_stage(search, moved_whole, None, in_flight=8)
     assert moved_whole < by_layer and (plan.keep_passes, plan.fits) == (1, True)
     assert plan.predicted.peak_bytes == moved_whole
     assert plan.runs().endswith("; keep 1 pass, 7 of 8 moved whole")
-    kept_two = choose_for_stage(search, 3 * 8 * MiB, None, in_flight=8)
-    assert kept_two.keep_passes == 2 and kept_two.predicted.peak_bytes == 3 * 8 * MiB
+    # two kept passes (8 MiB each) beside a moved pass's forward or last layer back
+    kept_two = choose_for_stage(search, 20 * MiB, None, in_flight=8)
+    assert kept_two.keep_passes == 2 and kept_two.predicted.peak_bytes == 20 * MiB
     closest = choose_for_stage(search, moved_whole - MiB, None, in_flight=8)
     assert not closest.fits and "8 forward passes in flight" in closest.why
     assert closest.predicted.peak_bytes == moved_whole
