@@ -77,6 +77,36 @@ def test_pass_offload_bit_identical_in_pipeline_orders(name, keep_passes, k):
         assert stats.on_demand_reloads > 0 and len(on_demand) == 1
 
 
+class Scale(torch.nn.Module):
+    """A layer that saves nothing for backward (its gradient is a constant)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+@pytest.mark.usefixtures("streams")
+@pytest.mark.parametrize("name", ["gpipe", "reverse"])
+@pytest.mark.parametrize("empty", [1, 3], ids=["middle-saves-nothing", "last-saves-nothing"])
+def test_a_moved_pass_with_a_layer_that_saves_nothing_comes_back_layer_by_layer(name, empty):
+    """A moved pass comes back a layer at a time from its last layer down; a layer with
+    nothing on the host is passed over, the next one down reloaded in its place, and the
+    gradients stay bit-identical in order and out of order."""
+    layers = make_layers("mlp", 4, 32, torch.float32)
+    layers[empty] = Scale()
+    expected, _ = run_order(layers, ORDERS[name], None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reverse: reloaded on demand, said once
+        actual, ctx = run_order(layers, ORDERS[name], 0, keep_passes=1)
+    assert_bit_identical(expected, actual)
+    stats = ctx.offload_synchronizer.stats
+    assert stats.passes_moved_whole == 3
+    assert stats.tensors_offloaded == stats.tensors_reloaded >= 3 * 3 * 2
+    assert ctx.offload_synchronizer.get_offloaded_total_size_mb() == 0
+    # in order each came back prefetched; out of order a last layer that holds data is
+    # reloaded on demand (one that holds nothing leaves the next one a layer's backward)
+    assert (stats.on_demand_reloads == 0) == (name == "gpipe" or empty == 3)
+
+
 @pytest.mark.usefixtures("streams")
 def test_passes_beyond_keep_move_whole_and_come_back_before_their_backward():
     layers = make_layers("mlp", 4, 32, torch.float32)
