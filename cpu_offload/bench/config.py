@@ -201,7 +201,9 @@ def _parser() -> Parser:
     )
     pipeline.add_argument("--pipeline-stages", type=at_least(2), default=None, metavar="P")
     pipeline.add_argument("--microbatches", type=at_least(1), default=None, metavar="M")
-    pipeline.add_argument("--schedule", choices=["1f1b", "interleaved", "gpipe"], default=None)
+    pipeline.add_argument(
+        "--schedule", choices=["1f1b", "interleaved", "gpipe", "zbv"], default=None
+    )
     pipeline.add_argument(
         "--virtual-stages",
         type=at_least(2),
@@ -239,6 +241,15 @@ def _check_pipeline(parser: Parser, args: argparse.Namespace, layers: int) -> No
                 "planner chose for it; --json and --trace hold its figures); leave it out"
             )
     args.schedule = args.schedule or "1f1b"
+    if args.schedule == "zbv":
+        parser.error(
+            "--schedule zbv: not run on the modeled accelerator yet. ZB-V splits each "
+            "backward into input gradients (I) and weight gradients (W, later); the "
+            "offloader releases an offloaded layer after I and reloads it, unprefetched, "
+            "when W needs it again, while the stage model keeps every pass whole until W, "
+            "so the two would not agree (docs/pipeline.md). Plan it with python -m "
+            "cpu_offload.plan ... --schedule zbv, or model 1f1b, gpipe or interleaved"
+        )
     if args.virtual_stages is not None and args.schedule != "interleaved":
         parser.error(
             f"--virtual-stages {args.virtual_stages}: sets the stages per rank of --schedule "
