@@ -200,3 +200,29 @@ def test_zbv_keeps_a_pass_until_its_weight_gradients():
         row = simulate_stage(order, times, _costs(), 2, StagePolicy(0), 1e6, 1e6)
         assert row.peak_bytes == most * 2 * 100
         assert row.step_s == pytest.approx(row.waited_s + 2.0 * len(order))  # 2 s each
+
+
+def test_the_planner_and_a_budget_inside_a_stage_share_one_model_of_its_peak():
+    """GPipe's 8 passes of 2 layers of 4 MiB that nothing can shrink, every pass kept or
+    one kept and 7 moved whole: the planner per stage (its rank's order) and a memory
+    budget inside a stage (the passes in flight it measured) give the same peak, from
+    the same walk (NOTE [A stage's passes in flight] in plan/stage_plan.py)."""
+    from cpu_offload.plan.policy_search import PolicySearch
+    from cpu_offload.plan.stage_plan import stage_rows
+    from cpu_offload.policy.policy import POLICY_CHOICES
+
+    mib = 2**20
+    layer = LayerCosts(4 * mib, 4 * mib, 0, 1e-3, 2e-3)
+    search = PolicySearch.of_layers([layer] * 2, 1e12, 1e12, hazards=[["no"]] * 2)
+    rows, keeps, peaks, _, _ = stage_rows(search, 8)
+    kept_all = [POLICY_CHOICES.index("keep")] * 2
+    order = rank_orders("gpipe", 2, 8)[0]
+    ready = arrivals(rank_orders("gpipe", 2, 8), 2e-3, 4e-3)[0]
+    for keep, expected in ((None, 8 * 8 * mib), (1, 3 * 4 * mib)):
+        planner = simulate_stage(order, ready, layer, 2, StagePolicy(0, keep), 1e12, 1e12)
+        inside = [
+            int(p)
+            for r, k, p in zip(rows, keeps, peaks, strict=True)
+            if list(search.codes[r]) == kept_all and k == (keep or 0)
+        ]
+        assert planner.peak_bytes == inside[0] == expected
