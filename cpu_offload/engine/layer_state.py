@@ -298,13 +298,17 @@ class OffloadableLayerState(LayerTransitions):
                 return pushed[index]
             self._reload_on_demand()
         backend = self.backend
-        if data.reload_event is not None:
-            key = backend.current_stream_key()
-            if key != data.reload_waited_on:  # once per layer and stream
-                stream, event = backend.current_stream(), data.reload_event
-                in_range("wait_reload", self.name, backend.wait_event, stream, event)
-                data.reload_waited_on = key
-        tensor = hand_out(data, self, index)  # and let go of it
+        slices = self.slices
+        if slices is not None:  # NOTE [Reloading a layer in slices] in reload_slices.py
+            tensor = slices.hand_out(data, self, index)
+        else:
+            if data.reload_event is not None:
+                key = backend.current_stream_key()
+                if key != data.reload_waited_on:  # once per layer and stream
+                    stream, event = backend.current_stream(), data.reload_event
+                    in_range("wait_reload", self.name, backend.wait_event, stream, event)
+                    data.reload_waited_on = key
+            tensor = hand_out(data, self, index)  # and let go of it
         if backend.checks_handoff:
             backend.before_handoff(tensor, self.name)
         return tensor
