@@ -46,6 +46,9 @@ __all__ = ["PEERS", "PeerRow", "hf_ours_step", "hf_stack", "ours_at", "peer_step
 GIB = 2**30
 #: budgets :func:`ours_at` tries before its last, the least memory it can ask for
 TRIES = 5
+#: the slices ours may reload an offloaded layer in (one hidden state of the 8k preset;
+#: NOTE [Reloading a layer in slices]): the planner chooses whether to
+SLICE_BYTES = 64 * 2**20
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
@@ -211,10 +214,11 @@ def hf_ours_step(
     policy: list[str],
     min_offload_numel: int,
     record: bool = False,
+    reload_slice_bytes: int | None = None,
 ) -> TimedReport:
     """Ours on transformers' own Llama stack (its ``layers``, under ``offload_layers``
-    with ``policy``), unmodified, on the modeled ``torch.cuda``: the ``hf_offload``
-    row's ours."""
+    with ``policy``, reloaded in slices of ``reload_slice_bytes``), unmodified, on the
+    modeled ``torch.cuda``: the ``hf_offload`` row's ours."""
     for tensor in [x, *model.parameters()]:
         tensor.grad = None
     with timed_runtime(profile, record=record) as run, warnings.catch_warnings():
@@ -224,6 +228,7 @@ def hf_ours_step(
                 model.layers,  # type: ignore[arg-type]
                 policy=policy,
                 min_offload_numel=min_offload_numel,
+                reload_slice_bytes=reload_slice_bytes,
             )
             try:
                 h = x.clone()
@@ -241,28 +246,43 @@ def ours_step(
     min_offload_numel: int,
     record: bool,
     policy: list[str],
+    reload_slice_bytes: int | None = None,
 ) -> TimedReport:
     """Ours on the benchmark's stack with ``policy`` (``simulate.modeled_step``)."""
     return modeled_step(
-        layers, x, profile, policy=policy, min_offload_numel=min_offload_numel, record=record
+        layers,
+        x,
+        profile,
+        policy=policy,
+        min_offload_numel=min_offload_numel,
+        record=record,
+        reload_slice_bytes=reload_slice_bytes,
     )
 
 
 def ours_at(
     peak: int,
-    step: Callable[[list[str]], TimedReport],
+    step: Callable[..., TimedReport],
     layer: LayerProfile,
     num_layers: int,
     device: Any,
     offset: int,
+    gradient_bytes: int = 0,
 ) -> tuple[list[str], TimedReport]:
     """Our policy for a device peak of ``peak`` bytes (NOTE [Peers on the modeled
     accelerator]), and its modeled run by ``step``."""
     budget = max(peak - offset, 0)
     tried: list[tuple[list[str], TimedReport]] = []
     for attempt in range(TRIES):
-        chosen = choose_policy(layer, num_layers, device, memory_budget=budget)
-        run = step(chosen.policy)
+        chosen = choose_policy(
+            layer,
+            num_layers,
+            device,
+            memory_budget=budget,
+            reload_slice_bytes=SLICE_BYTES,
+            gradient_bytes=gradient_bytes,
+        )
+        run = step(chosen.policy, reload_slice_bytes=chosen.reload_slice_bytes)
         tried.append((chosen.policy, run))
         over = run.peak_bytes - peak
         if over <= 0 or budget == 0:
@@ -290,6 +310,8 @@ def run_peers(
     device, numel = plan.device, config.min_offload_numel
     kept = modeled_step(layers, x, device, k=0, min_offload_numel=numel, record=False)
     offset = kept.peak_bytes - plan.rows[0].peak_bytes
+    # the peaks are in backward, as the gradients come: the planner counts them there
+    gradients = sum(p.nbytes for p in layers[0].parameters() if p.requires_grad)
     rows = []
     for mode in modes:
         peer = PEERS[mode]
@@ -309,7 +331,9 @@ def run_peers(
         else:
             modeled = peer_step(mode, layers, x, device, record)
             step = functools.partial(ours_step, layers, x, device, numel, record)
-        policy, ours = ours_at(modeled.peak_bytes, step, layer, config.layers, device, offset)
+        policy, ours = ours_at(
+            modeled.peak_bytes, step, layer, config.layers, device, offset, gradients
+        )
         rows.append(PeerRow(mode, peer.code, modeled, ours, policy))
         if progress is not None:
             progress(rows[-1])

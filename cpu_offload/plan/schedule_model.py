@@ -29,6 +29,7 @@ from ..policy.policy import CHECKPOINTED, KEEP, OFFLOAD, OFFLOADED
 from .census import LayerProfile
 
 __all__ = ["LayerCosts", "PlanRow", "first_k", "layer_costs", "simulate", "simulate_policy"]
+__all__ += ["slice_sizes"]
 
 
 @dataclass
@@ -78,6 +79,10 @@ class LayerCosts:
             input is the previous layer's output; NOTE [The layers after the first]).
         recompute_s: a checkpointed layer's recomputation in backward; its whole
             forward where None (:attr:`recompute`).
+        gradient_bytes: the parameter gradients the layer's backward allocates, counted
+            from the boundary below it to the step's end where given (the peak of a
+            step whose gradients are allocated by its backward); 0: left out (the
+            budget's gradients are allocated before the step: memory_budget.py).
     """
 
     saved_bytes: int
@@ -89,6 +94,7 @@ class LayerCosts:
     input_offloaded_bytes: int = 0
     following: LayerCosts | None = None
     recompute_s: float | None = None
+    gradient_bytes: int = 0
 
     @property
     def recompute(self) -> float:
@@ -157,6 +163,16 @@ def first_k(num_layers: int, k: int) -> list[str]:
     return [OFFLOAD] * k + [KEEP] * (num_layers - k)
 
 
+def slice_sizes(moved: int, slice_bytes: int | None) -> list[int]:
+    """The slices a layer that moves ``moved`` bytes is reloaded in (NOTE [Reloading a
+    layer in slices] in engine/reload_slices.py), in backward order: ``slice_bytes``
+    each, the rest last; one slice, the whole layer, where it fits one (or None)."""
+    if slice_bytes is None or moved <= slice_bytes:
+        return [moved]
+    count = -(-moved // slice_bytes)
+    return [slice_bytes] * (count - 1) + [moved - slice_bytes * (count - 1)]
+
+
 def simulate_policy(
     policy: Sequence[str],
     costs: LayerCosts | Sequence[LayerCosts],
@@ -164,13 +180,20 @@ def simulate_policy(
     h2d_bytes_per_s: float,
     *,
     log: bool = True,
+    reload_slice_bytes: int | None = None,
 ) -> PlanRow:
     """Run the default schedule with a per-layer policy (see :mod:`cpu_offload.policy.policy`):
     the offloaded layers (``offload``, ``checkpoint+offload``) are released and reloaded
     as :class:`~cpu_offload.DefaultOffloadSynchronizer` schedules its ``offloaded_layers``;
     a checkpointed layer keeps its inputs saved and runs its forward again in backward,
     where its saved activations are back on the device until the layer below runs.
-    ``costs`` is one layer's, for a stack of layers alike, or a list of one per layer."""
+    ``costs`` is one layer's, for a stack of layers alike, or a list of one per layer.
+
+    With ``reload_slice_bytes`` an offloaded layer comes back in slices (NOTE [Reloading
+    a layer in slices] in engine/reload_slices.py): its reload brings the first slice,
+    and its backward takes each next one as the one before it starts being consumed
+    (compute split over the slices by bytes; it waits for a slice not yet there).  Its
+    memory in backward is the first two slices and what stays."""
     L = len(policy)
     offloaded = [j for j, choice in enumerate(policy) if choice in OFFLOADED]
     m = len(offloaded)
@@ -185,6 +208,10 @@ def simulate_policy(
     ]
     moved = [
         each[j].offloaded_bytes if c == OFFLOAD else each[j].input_offloaded_bytes
+        for j, c in enumerate(policy)
+    ]
+    slices = [
+        slice_sizes(moved[j], reload_slice_bytes) if c == OFFLOAD else [moved[j]]
         for j, c in enumerate(policy)
     ]
     compute = copies = waited = 0.0
@@ -232,12 +259,13 @@ def simulate_policy(
         actions = []
         if j + 1 < L:
             hold(j + 1, 0)
+            total += each[j + 1].gradient_bytes
             actions.append(f"release {j + 1}")
         if j in reloaded_at:
             i = reloaded_at[j]
             start = max(copies, compute)
-            copies = reload_done[i] = start + moved[i] / h2d_bytes_per_s
-            hold(i, resident[i] + moved[i])
+            copies = reload_done[i] = start + slices[i][0] / h2d_bytes_per_s
+            hold(i, resident[i] + slices[i][0])
             actions.append(f"start reload {i}")
         if j in release_at:
             wait_for(reload_done[j])
@@ -246,9 +274,21 @@ def simulate_policy(
             recompute += each[j].recompute
             hold(j, each[j].saved_bytes)
             actions.append(f"recompute {j}")
-        compute += each[j].backward_s
+        if len(slices[j]) > 1:  # the next slice issued as each one starts being consumed
+            hold(j, resident[j] + slices[j][1])
+            actions.append(f"{len(slices[j])} slices")
+            for s, nbytes in enumerate(slices[j]):
+                if s + 1 < len(slices[j]):
+                    start = max(copies, compute)
+                    issued = copies = start + slices[j][s + 1] / h2d_bytes_per_s
+                compute += each[j].backward_s * nbytes / moved[j]
+                if s + 1 < len(slices[j]):
+                    wait_for(issued)
+        else:
+            compute += each[j].backward_s
         note(f"bwd {j}", actions)
     hold(0, 0)
+    total += each[0].gradient_bytes
     note("end", ["release 0"])
     baseline = sum(c.forward_s + c.backward_s for c in each)
     return PlanRow(
