@@ -143,7 +143,7 @@ def modeled_step(
         tensor.grad = None
     with timed_runtime(profile, record=record) as run, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # k = L - 1, checkpoint hazards: measured anyway
-        options = {"min_offload_numel": min_offload_numel}
+        options: dict[str, Any] = {"min_offload_numel": min_offload_numel}
         if reload_slice_bytes is not None:
             options["reload_slice_bytes"] = reload_slice_bytes
         if policy is not None:

@@ -27,19 +27,19 @@ NOTE [Layers that differ].
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from ..device.profiles import DeviceProfile, get_profile
 from ..engine.host_buffers import CLASS_DIVISIONS, pool_reserve
-from ..engine.schedule import max_offloaded, release_point, reload_point
+from ..engine.schedule import max_offloaded
 from ..policy.memory_budget import size
 from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
 from .census import LayerProfile
 from .local_search import improve, order
-from .policy_plan import PolicyPlan
 from .many import simulate_many
+from .policy_plan import PolicyPlan
 from .schedule_model import LayerCosts, PlanRow, simulate_policy
 
 __all__ = [
