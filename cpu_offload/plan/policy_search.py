@@ -360,12 +360,13 @@ def host_fits(offloaded_bytes: np.ndarray, host_cap: int | None) -> np.ndarray |
 
 
 def whole_or_sliced(whole: PolicyPlan, sliced: PolicyPlan) -> PolicyPlan:
-    """The plan with whole-layer reloads unless the one in slices fits where it does
-    not, is faster, or (neither fits) peaks lower."""
-    if whole.fits != sliced.fits:
+    """The plan with whole-layer reloads where it fits; else the one in slices where
+    that fits, or (neither fits) peaks lower.  Where whole layers fit, slices are not
+    taken even when predicted faster: the model times a slice's backward by its bytes,
+    which a backward of elementwise nodes consumes faster than the link brings the
+    next slice (docs/benchmarks.md, "The peers' own code beside ours")."""
+    if whole.fits or sliced.fits:
         return whole if whole.fits else sliced
-    if whole.fits:
-        return sliced if sliced.predicted.step_s < whole.predicted.step_s else whole
     return sliced if sliced.predicted.peak_bytes < whole.predicted.peak_bytes else whole
 
 
@@ -394,7 +395,8 @@ def choose_policy(
         reload_slice_bytes: offloaded layers may come back in slices of this many bytes
             (NOTE [Reloading a layer in slices] in engine/reload_slices.py): the plan
             reloads in slices (its ``reload_slice_bytes``) where only that fits the
-            budget or it is faster; elsewhere whole layers, as without.
+            budget (or, where nothing fits, peaks lower); elsewhere whole layers, as
+            without.
         gradient_bytes: each layer's parameter gradients, where the budget is to cover
             them as backward allocates them (``LayerCosts.gradient_bytes``); 0: the
             budget is on top of them.
