@@ -197,3 +197,12 @@ def test_reload_slice_bytes_is_checked(value, error, message):
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
     with pytest.raises(error, match="reload_slice_bytes"):
         offload_layers(layers, 1, reload_slice_bytes=value)
+
+
+def test_reload_slice_bytes_does_not_combine_with_a_memory_budget_yet():
+    from cpu_offload import offload_layers
+
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    with pytest.raises(TypeError) as raised:
+        offload_layers(layers, memory_budget="1GiB", reload_slice_bytes=64 * MIB)
+    assert "reload_slice_bytes= does not combine with it" in str(raised.value)
