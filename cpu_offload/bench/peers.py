@@ -169,15 +169,18 @@ class PeerRow:
     ours: TimedReport | None = None
     ours_policy: list[str] | None = None
     skip_reason: str | None = None
+    ours_reload_slice_bytes: int | None = None
 
     @property
     def ours_label(self) -> str:
         if self.ours_policy is None:
             return "-"
-        return ", ".join(
+        label = ", ".join(
             f"{last - first + 1} {''.join(w[0].upper() for w in choice.split('+'))}"
             for first, last, choice in policy_runs(self.ours_policy)
         )
+        slices = self.ours_reload_slice_bytes
+        return label if slices is None else f"{label}, O in {slices / 2**20:g} MiB slices"
 
     def as_json(self) -> dict[str, Any]:
         """The row of the JSON's ``"peers"`` list."""
@@ -195,6 +198,7 @@ class PeerRow:
             modeled_host_peak_bytes=peer.host_peak_bytes,
             modeled_host_syncs=peer.host_syncs,
             ours_policy=self.ours_policy,
+            ours_reload_slice_bytes=self.ours_reload_slice_bytes,
             ours_label=self.ours_label,
             ours_step_s=None if ours is None else ours.step_s,
             ours_peak_bytes=None if ours is None else ours.peak_bytes,
@@ -268,11 +272,12 @@ def ours_at(
     device: Any,
     offset: int,
     gradient_bytes: int = 0,
-) -> tuple[list[str], TimedReport]:
+) -> tuple[list[str], TimedReport, int | None]:
     """Our policy for a device peak of ``peak`` bytes (NOTE [Peers on the modeled
-    accelerator]), and its modeled run by ``step``."""
+    accelerator]), its modeled run by ``step``, and the slices its offloaded layers are
+    reloaded in (None: whole)."""
     budget = max(peak - offset, 0)
-    tried: list[tuple[list[str], TimedReport]] = []
+    tried: list[tuple[list[str], TimedReport, int | None]] = []
     for attempt in range(TRIES):
         chosen = choose_policy(
             layer,
@@ -283,14 +288,14 @@ def ours_at(
             gradient_bytes=gradient_bytes,
         )
         run = step(chosen.policy, reload_slice_bytes=chosen.reload_slice_bytes)
-        tried.append((chosen.policy, run))
+        tried.append((chosen.policy, run, chosen.reload_slice_bytes))
         over = run.peak_bytes - peak
         if over <= 0 or budget == 0:
             break
         # the planner counts saved activations of its layer; tighten by what ours
         # overshot, and at the last try ask for its least memory
         budget = 0 if attempt == TRIES - 2 else max(budget - over, 0)
-    fitting = [(p, r) for p, r in tried if r.peak_bytes <= peak]
+    fitting = [entry for entry in tried if entry[1].peak_bytes <= peak]
     if fitting:
         return min(fitting, key=lambda tried_run: tried_run[1].step_s)
     return min(tried, key=lambda tried_run: (tried_run[1].peak_bytes, tried_run[1].step_s))
@@ -331,10 +336,10 @@ def run_peers(
         else:
             modeled = peer_step(mode, layers, x, device, record)
             step = functools.partial(ours_step, layers, x, device, numel, record)
-        policy, ours = ours_at(
+        policy, ours, slices = ours_at(
             modeled.peak_bytes, step, layer, config.layers, device, offset, gradients
         )
-        rows.append(PeerRow(mode, peer.code, modeled, ours, policy))
+        rows.append(PeerRow(mode, peer.code, modeled, ours, policy, ours_reload_slice_bytes=slices))
         if progress is not None:
             progress(rows[-1])
     return rows

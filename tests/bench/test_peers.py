@@ -26,6 +26,7 @@ FIELDS = {
     "ours_policy",
     "ours_step_s",
     "ours_peak_bytes",
+    "ours_reload_slice_bytes",
 }
 
 
