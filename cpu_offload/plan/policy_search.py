@@ -38,9 +38,8 @@ from ..policy.memory_budget import size
 from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
 from .census import LayerProfile
 from .local_search import improve, order
-from .many import simulate_many
 from .policy_plan import PolicyPlan
-from .schedule_model import LayerCosts, PlanRow, simulate_policy
+from .schedule_model import LayerCosts, PlanRow, simulate_many, simulate_policy
 
 __all__ = [
     "MAX_SEARCH_LAYERS",

@@ -9,9 +9,8 @@ import random
 import pytest
 
 from cpu_offload.plan.census import LayerProfile
-from cpu_offload.plan.many import simulate_many
 from cpu_offload.plan.policy_search import PolicySearch, choose_policy, policy_family
-from cpu_offload.plan.schedule_model import LayerCosts, simulate_policy, slice_sizes
+from cpu_offload.plan.schedule_model import LayerCosts, simulate_many, simulate_policy, slice_sizes
 from cpu_offload.policy.policy import KEEP, OFFLOAD, POLICY_CHOICES
 
 MIB = 2**20
