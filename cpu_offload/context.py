@@ -14,6 +14,7 @@ import torch
 
 from .engine.layer_context import OffloadContext
 from .engine.manual_synchronizer import ManualOffloadSynchronizer
+from .engine.reload_slices import check_slice_bytes
 from .engine.synchronizer import DefaultOffloadSynchronizer
 from .hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .log import logger, warn
@@ -94,6 +95,7 @@ def get_cpu_offload_context(
     max_host_bytes: int | str | None = ...,
     offloaded_layers: Sequence[int] | None = ...,
     keep_passes: int | None = ...,
+    reload_slice_bytes: int | None = ...,
 ) -> tuple[ContextManager, SyncFn]: ...
 
 
@@ -113,6 +115,7 @@ def get_cpu_offload_context(
     min_offload_numel: int = ...,
     min_offload_bytes: int = ...,
     max_host_bytes: int | str | None = ...,
+    reload_slice_bytes: int | None = ...,
 ) -> tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]: ...
 
 
@@ -134,6 +137,7 @@ def get_cpu_offload_context(
     max_host_bytes: int | str | None = ...,
     offloaded_layers: Sequence[int] | None = ...,
     keep_passes: int | None = ...,
+    reload_slice_bytes: int | None = ...,
 ) -> _Result: ...
 
 
@@ -154,6 +158,7 @@ def get_cpu_offload_context(
     max_host_bytes: int | str | None = None,
     offloaded_layers: Sequence[int] | None = None,
     keep_passes: int | None = None,
+    reload_slice_bytes: int | None = None,
 ) -> _Result:
     """Offload the activations of chosen layers to host memory.
 
@@ -193,6 +198,11 @@ def get_cpu_offload_context(
             included) and prefetched back when the backward of an older pass starts.
             None (default): every pass keeps the schedule.  An int >= 1; not with
             manual synchronization.
+        reload_slice_bytes: reload each offloaded layer in slices of about this many
+            bytes, in backward order, each slice's copy issued as the slice before it
+            starts being consumed, for a lower peak in backward than a whole layer
+            brought back at once (NOTE [Reloading a layer in slices] in
+            engine/reload_slices.py).  None (default): whole layers.  An int >= 1.
 
     Returns:
         ``(context, sync_fn)``, or ``(context, sync_fn, controller)`` in manual mode.
@@ -221,6 +231,7 @@ def get_cpu_offload_context(
         retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
     )
     del double_buffering  # accepted for compatibility
+    slice_bytes = check_slice_bytes(reload_slice_bytes, "get_cpu_offload_context")
     if offloaded_layers is not None:
         if manual_synchronization:
             raise ValueError(
@@ -260,6 +271,7 @@ def get_cpu_offload_context(
             min_offload_bytes=min_offload_bytes,
             max_host_bytes=max_host_bytes,
         )
+        controller.reload_slice_bytes = slice_bytes
         manual = OffloadContext(controller)
         logger.info("get_cpu_offload_context: %r", manual)
         return manual, manual.sync_fn, controller
@@ -274,6 +286,7 @@ def get_cpu_offload_context(
         offloaded_layers=offloaded_layers,
         keep_passes=keep_passes,
     )
+    synchronizer.reload_slice_bytes = slice_bytes
     context = OffloadContext(synchronizer)
     logger.info("get_cpu_offload_context: %r", context)
     return context, context.sync_fn

@@ -46,6 +46,9 @@ __all__ = ["PEERS", "PeerRow", "hf_ours_step", "hf_stack", "ours_at", "peer_step
 GIB = 2**30
 #: budgets :func:`ours_at` tries before its last, the least memory it can ask for
 TRIES = 5
+#: the slices ours may reload an offloaded layer in (one hidden state of the 8k preset;
+#: NOTE [Reloading a layer in slices]): the planner chooses whether to
+SLICE_BYTES = 64 * 2**20
 Forward = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
@@ -166,15 +169,18 @@ class PeerRow:
     ours: TimedReport | None = None
     ours_policy: list[str] | None = None
     skip_reason: str | None = None
+    ours_reload_slice_bytes: int | None = None
 
     @property
     def ours_label(self) -> str:
         if self.ours_policy is None:
             return "-"
-        return ", ".join(
+        label = ", ".join(
             f"{last - first + 1} {''.join(w[0].upper() for w in choice.split('+'))}"
             for first, last, choice in policy_runs(self.ours_policy)
         )
+        slices = self.ours_reload_slice_bytes
+        return label if slices is None else f"{label}, O in {slices / 2**20:g} MiB slices"
 
     def as_json(self) -> dict[str, Any]:
         """The row of the JSON's ``"peers"`` list."""
@@ -192,6 +198,7 @@ class PeerRow:
             modeled_host_peak_bytes=peer.host_peak_bytes,
             modeled_host_syncs=peer.host_syncs,
             ours_policy=self.ours_policy,
+            ours_reload_slice_bytes=self.ours_reload_slice_bytes,
             ours_label=self.ours_label,
             ours_step_s=None if ours is None else ours.step_s,
             ours_peak_bytes=None if ours is None else ours.peak_bytes,
@@ -211,10 +218,11 @@ def hf_ours_step(
     policy: list[str],
     min_offload_numel: int,
     record: bool = False,
+    reload_slice_bytes: int | None = None,
 ) -> TimedReport:
     """Ours on transformers' own Llama stack (its ``layers``, under ``offload_layers``
-    with ``policy``), unmodified, on the modeled ``torch.cuda``: the ``hf_offload``
-    row's ours."""
+    with ``policy``, reloaded in slices of ``reload_slice_bytes``), unmodified, on the
+    modeled ``torch.cuda``: the ``hf_offload`` row's ours."""
     for tensor in [x, *model.parameters()]:
         tensor.grad = None
     with timed_runtime(profile, record=record) as run, warnings.catch_warnings():
@@ -224,6 +232,7 @@ def hf_ours_step(
                 model.layers,  # type: ignore[arg-type]
                 policy=policy,
                 min_offload_numel=min_offload_numel,
+                reload_slice_bytes=reload_slice_bytes,
             )
             try:
                 h = x.clone()
@@ -241,36 +250,52 @@ def ours_step(
     min_offload_numel: int,
     record: bool,
     policy: list[str],
+    reload_slice_bytes: int | None = None,
 ) -> TimedReport:
     """Ours on the benchmark's stack with ``policy`` (``simulate.modeled_step``)."""
     return modeled_step(
-        layers, x, profile, policy=policy, min_offload_numel=min_offload_numel, record=record
+        layers,
+        x,
+        profile,
+        policy=policy,
+        min_offload_numel=min_offload_numel,
+        record=record,
+        reload_slice_bytes=reload_slice_bytes,
     )
 
 
 def ours_at(
     peak: int,
-    step: Callable[[list[str]], TimedReport],
+    step: Callable[..., TimedReport],
     layer: LayerProfile,
     num_layers: int,
     device: Any,
     offset: int,
-) -> tuple[list[str], TimedReport]:
+    gradient_bytes: int = 0,
+) -> tuple[list[str], TimedReport, int | None]:
     """Our policy for a device peak of ``peak`` bytes (NOTE [Peers on the modeled
-    accelerator]), and its modeled run by ``step``."""
+    accelerator]), its modeled run by ``step``, and the slices its offloaded layers are
+    reloaded in (None: whole)."""
     budget = max(peak - offset, 0)
-    tried: list[tuple[list[str], TimedReport]] = []
+    tried: list[tuple[list[str], TimedReport, int | None]] = []
     for attempt in range(TRIES):
-        chosen = choose_policy(layer, num_layers, device, memory_budget=budget)
-        run = step(chosen.policy)
-        tried.append((chosen.policy, run))
+        chosen = choose_policy(
+            layer,
+            num_layers,
+            device,
+            memory_budget=budget,
+            reload_slice_bytes=SLICE_BYTES,
+            gradient_bytes=gradient_bytes,
+        )
+        run = step(chosen.policy, reload_slice_bytes=chosen.reload_slice_bytes)
+        tried.append((chosen.policy, run, chosen.reload_slice_bytes))
         over = run.peak_bytes - peak
         if over <= 0 or budget == 0:
             break
         # the planner counts saved activations of its layer; tighten by what ours
         # overshot, and at the last try ask for its least memory
         budget = 0 if attempt == TRIES - 2 else max(budget - over, 0)
-    fitting = [(p, r) for p, r in tried if r.peak_bytes <= peak]
+    fitting = [entry for entry in tried if entry[1].peak_bytes <= peak]
     if fitting:
         return min(fitting, key=lambda tried_run: tried_run[1].step_s)
     return min(tried, key=lambda tried_run: (tried_run[1].peak_bytes, tried_run[1].step_s))
@@ -290,6 +315,8 @@ def run_peers(
     device, numel = plan.device, config.min_offload_numel
     kept = modeled_step(layers, x, device, k=0, min_offload_numel=numel, record=False)
     offset = kept.peak_bytes - plan.rows[0].peak_bytes
+    # the peaks are in backward, as the gradients come: the planner counts them there
+    gradients = sum(p.nbytes for p in layers[0].parameters() if p.requires_grad)
     rows = []
     for mode in modes:
         peer = PEERS[mode]
@@ -309,8 +336,10 @@ def run_peers(
         else:
             modeled = peer_step(mode, layers, x, device, record)
             step = functools.partial(ours_step, layers, x, device, numel, record)
-        policy, ours = ours_at(modeled.peak_bytes, step, layer, config.layers, device, offset)
-        rows.append(PeerRow(mode, peer.code, modeled, ours, policy))
+        policy, ours, slices = ours_at(
+            modeled.peak_bytes, step, layer, config.layers, device, offset, gradients
+        )
+        rows.append(PeerRow(mode, peer.code, modeled, ours, policy, ours_reload_slice_bytes=slices))
         if progress is not None:
             progress(rows[-1])
     return rows

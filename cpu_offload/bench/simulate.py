@@ -133,20 +133,23 @@ def modeled_step(
     policy: Sequence[str] | None = None,
     min_offload_numel: int,
     record: bool = True,
+    reload_slice_bytes: int | None = None,
 ) -> TimedReport:
     """One forward and backward of ``layers`` under ``offload_layers`` (``k``, or
-    ``policy``) on the modeled ``profile``, with a memory mark at each layer boundary."""
+    ``policy``; offloaded layers reloaded in slices of ``reload_slice_bytes``) on the
+    modeled ``profile``, with a memory mark at each layer boundary."""
     params = list(layers.parameters())
     for tensor in [x, *params]:
         tensor.grad = None
     with timed_runtime(profile, record=record) as run, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # k = L - 1, checkpoint hazards: measured anyway
+        options: dict[str, Any] = {"min_offload_numel": min_offload_numel}
+        if reload_slice_bytes is not None:
+            options["reload_slice_bytes"] = reload_slice_bytes
         if policy is not None:
-            handle = offload_layers(
-                layers, policy=list(policy), min_offload_numel=min_offload_numel
-            )
+            handle = offload_layers(layers, policy=list(policy), **options)
         else:
-            handle = offload_layers(layers, k, min_offload_numel=min_offload_numel)
+            handle = offload_layers(layers, k, **options)
         try:
             output: list[torch.Tensor] = []
 

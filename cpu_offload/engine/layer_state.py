@@ -297,14 +297,16 @@ class OffloadableLayerState(LayerTransitions):
             if state is not _OFFLOAD_FINISHED:  # not copied, or being copied
                 return pushed[index]
             self._reload_on_demand()
-        backend = self.backend
-        if data.reload_event is not None:
+        backend, slices = self.backend, self.slices  # slices: see reload_slices.py
+        if slices is None and data.reload_event is not None:
             key = backend.current_stream_key()
             if key != data.reload_waited_on:  # once per layer and stream
                 stream, event = backend.current_stream(), data.reload_event
                 in_range("wait_reload", self.name, backend.wait_event, stream, event)
                 data.reload_waited_on = key
-        tensor = hand_out(data, self, index)  # and let go of it
+        tensor = (  # and let go of it
+            hand_out(data, self, index) if slices is None else slices.hand_out(data, self, index)
+        )
         if backend.checks_handoff:
             backend.before_handoff(tensor, self.name)
         return tensor

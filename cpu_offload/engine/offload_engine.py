@@ -127,6 +127,8 @@ class OffloadEngine:
         self.min_offload_numel = min_offload_numel
         self.min_offload_bytes = min_offload_bytes
         self.copy_timer: CopyTimer | None = None
+        #: NOTE [Reloading a layer in slices] in reload_slices.py (None: whole layers)
+        self.reload_slice_bytes: int | None = None
         self._allocations_before_step = 0  # the pool's allocations when the last step ended
 
     @property
@@ -152,6 +154,7 @@ class OffloadEngine:
             copy_timer=self.copy_timer,
         )
         state.reload_advice = self.reload_advice
+        state.reload_slice_bytes = self.reload_slice_bytes
         return state
 
     def host_memory_stats(self) -> dict[str, int]:

@@ -28,6 +28,7 @@ from ..report.stats import OffloadStats
 from ..report.step_record import SaveCounts
 from .host_buffers import HostBufferPool
 from .layer_data import LayerData, count_moves, pushed_bytes
+from .reload_slices import SlicedReload
 
 __all__ = ["TRANSITIONS", "LayerState", "LayerTransitions", "Transition"]
 
@@ -115,6 +116,10 @@ class LayerTransitions:
         self._backward_done = False  # the cycle's backward released the layer
         self.kept_fast: list[int] = []
         self._saves: SaveCounts | None = None  # made when something else is counted
+        #: bytes per slice of a reload in slices (None: whole; NOTE [Reloading a layer in
+        #: slices] in reload_slices.py), and the slices of the reload under way
+        self.reload_slice_bytes: int | None = None
+        self.slices: SlicedReload | None = None
 
     def _transition(self, operation: str) -> None:
         """Check ``operation`` against :data:`TRANSITIONS` and take it."""
@@ -155,11 +160,17 @@ class LayerTransitions:
         self.saves.released_bytes += data.host_bytes
 
     def start_reload(self) -> None:
-        """Queue host-to-device copies on the offload stream, one event for the layer."""
+        """Queue host-to-device copies on the offload stream, one event for the layer
+        (or its first slice: NOTE [Reloading a layer in slices] in reload_slices.py)."""
         self._transition("start_reload")
         data = self._data
         if data is not None:
-            in_range("reload", self.name, data.copy_in, self)
+            slice_bytes = self.reload_slice_bytes
+            if slice_bytes is None or not data.host or data.host_bytes <= slice_bytes:
+                self.slices = None
+                in_range("reload", self.name, data.copy_in, self)
+            else:
+                self.slices = SlicedReload.start(data, self, slice_bytes)
             self.saves.reloaded_bytes += data.host_bytes
 
     def release_all_memory(self) -> None:
@@ -187,6 +198,7 @@ class LayerTransitions:
         data.wait_for_copies(self)
         data.drop_pushed()
         data.reloaded, data.unique = [], []
+        self.slices = None
 
     def _new_cycle(self, lease: Lease) -> LayerData:
         """The first push of a tensor to copy in this cycle: its data, which goes when
@@ -217,6 +229,7 @@ class LayerTransitions:
     def _drop_data(self) -> None:
         data, self._data = self._data, None
         self._backward_done = False
+        self.slices = None
         if data is not None:
             if not data.host and data.pushed:  # pushed to move, never copied
                 self.saves.not_copied += len(data.pushed)

@@ -60,6 +60,9 @@ class PolicyPlan:
             stage's; NOTE [A stage's passes in flight] in stage_plan.py); 1 elsewhere.
         keep_passes: of those, how many keep ``policy``, the others moved whole; None:
             every pass keeps it.  Pass both to ``offload_layers``.
+        reload_slice_bytes: offloaded layers reloaded in slices of this many bytes
+            (NOTE [Reloading a layer in slices] in engine/reload_slices.py); None: whole.
+            Pass it to ``offload_layers``.
     """
 
     policy: list[str]
@@ -76,6 +79,7 @@ class PolicyPlan:
     binding: str = ""
     in_flight: int = 1
     keep_passes: int | None = None
+    reload_slice_bytes: int | None = None
 
     def blocks(self) -> list[tuple[int, int, str]]:
         """``(first layer, last layer, choice)`` for each run of equal choices."""
@@ -85,6 +89,8 @@ class PolicyPlan:
         """The policy as runs of layers: ``"0-5 offload, 6-7 checkpoint, 8-31 keep"``, and
         with passes in flight what each does: ``"...; keep 1 pass, 3 of 4 moved whole"``."""
         runs = describe_policy(self.policy)
+        if self.reload_slice_bytes is not None:
+            runs += f" (reloaded in slices of {size(self.reload_slice_bytes)})"
         if self.in_flight <= 1:
             return runs
         if self.keep_passes is None:

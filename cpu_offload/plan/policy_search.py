@@ -27,25 +27,26 @@ NOTE [Layers that differ].
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 
 from ..device.profiles import DeviceProfile, get_profile
 from ..engine.host_buffers import CLASS_DIVISIONS, pool_reserve
-from ..engine.schedule import max_offloaded, release_point, reload_point
+from ..engine.schedule import max_offloaded
 from ..policy.memory_budget import size
 from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
 from .census import LayerProfile
 from .local_search import improve, order
 from .policy_plan import PolicyPlan
-from .schedule_model import LayerCosts, PlanRow, layer_costs, simulate_policy
+from .schedule_model import LayerCosts, PlanRow, simulate_many, simulate_policy
 
 __all__ = [
     "MAX_SEARCH_LAYERS",
     "PolicyPlan",
     "PolicySearch",
     "choose_policy",
+    "whole_or_sliced",
     "policy_family",
     "simulate_many",
 ]
@@ -86,78 +87,6 @@ def policy_family(num_layers: int, orders: Sequence[Sequence[str]] = ORDERS) -> 
     codes = np.unique(np.concatenate(rows), axis=0)
     beyond = codes[:, max_offloaded(L) :]  # the layers the schedule never offloads
     return codes[~((beyond == _O) | (beyond == _CO)).any(axis=1)]
-
-
-@dataclass
-class _Many:
-    """:func:`simulate_many`'s results, one entry per policy."""
-
-    end_of_forward_bytes: np.ndarray
-    peak_bytes: np.ndarray
-    offloaded_bytes: np.ndarray
-    step_s: np.ndarray
-
-
-def simulate_many(
-    codes: np.ndarray,
-    costs: LayerCosts | Sequence[LayerCosts],
-    d2h_bytes_per_s: float,
-    h2d_bytes_per_s: float,
-) -> _Many:
-    """:func:`simulate_policy` for every row of ``codes`` at once (no log); ``costs`` is
-    one layer's, or one per layer."""
-    n, L = codes.shape
-    rows = np.arange(n)
-    offloaded = (codes == _O) | (codes == _CO)
-    checkpointed = (codes == _C) | (codes == _CO)
-    m = offloaded.sum(axis=1)
-    by_rank = np.argsort(~offloaded, axis=1, kind="stable")  # offloaded layers first
-    each = layer_costs(costs, L)  # the costs of each position
-
-    def column(name: str, dtype: type = np.int64) -> np.ndarray:
-        return np.array([getattr(c, name) for c in each], dtype=dtype)[None, :]
-
-    saved_bytes, input_bytes = column("saved_bytes"), column("input_bytes")
-    forward_s, backward_s = column("forward_s", np.float64)[0], column("backward_s", np.float64)[0]
-    recompute_s = column("recompute", np.float64)[0]
-    saved = np.where(checkpointed, input_bytes, saved_bytes)
-    moved = np.where(codes == _O, column("offloaded_bytes"), 0)
-    moved += np.where(codes == _CO, column("input_offloaded_bytes"), 0)
-    compute, copies = np.zeros(n), np.zeros(n)
-    copy_done, reload_done = np.zeros((n, L)), np.zeros((n, L))
-    total = np.zeros(n, dtype=np.int64)
-    peak = np.zeros(n, dtype=np.int64)
-    for j in range(L):
-        if j >= 1:
-            starts = offloaded[:, j - 1]
-            done = np.maximum(copies, compute) + moved[:, j - 1] / d2h_bytes_per_s
-            copies = np.where(starts, done, copies)
-            copy_done[:, j - 1] = done
-        rank = j - release_point(L, m, 0)  # the offloaded layer released here, if any
-        released = (rank >= 0) & (rank < m)
-        layer = by_rank[rows, np.clip(rank, 0, L - 1)]
-        compute = np.where(released, np.maximum(compute, copy_done[rows, layer]), compute)
-        total -= np.where(released, moved[rows, layer], 0)
-        compute += forward_s[j]
-        total += saved[:, j]
-        np.maximum(peak, total, out=peak)
-    end_of_forward = total.copy()
-    for j in reversed(range(L)):
-        if j + 1 < L:
-            total -= saved_bytes[0, j + 1]  # what any layer holds once its backward ran
-        rank = j - reload_point(L, m, 0)  # the offloaded layer reloaded here, if any
-        reloaded = (rank >= 0) & (rank < m)
-        layer = by_rank[rows, np.clip(rank, 0, L - 1)]
-        done = np.maximum(copies, compute) + moved[rows, layer] / h2d_bytes_per_s
-        copies = np.where(reloaded, done, copies)
-        reload_done[rows, layer] = np.where(reloaded, done, reload_done[rows, layer])
-        total += np.where(reloaded, moved[rows, layer], 0)
-        compute = np.where(offloaded[:, j], np.maximum(compute, reload_done[:, j]), compute)
-        compute += np.where(checkpointed[:, j], recompute_s[j], 0.0)
-        total += np.where(checkpointed[:, j], saved_bytes[0, j] - input_bytes[0, j], 0)
-        compute += backward_s[j]
-        np.maximum(peak, total, out=peak)
-    return _Many(end_of_forward, peak, (moved * offloaded).sum(axis=1), compute)
 
 
 # NOTE [Layers that differ]
@@ -219,12 +148,20 @@ class PolicySearch:
     device: DeviceProfile | None
 
     def __init__(
-        self, layer: LayerProfile, num_layers: int, device: str | DeviceProfile = "h100"
+        self,
+        layer: LayerProfile,
+        num_layers: int,
+        device: str | DeviceProfile = "h100",
+        reload_slice_bytes: int | None = None,
+        gradient_bytes: int = 0,
     ) -> None:
         _check_layers(num_layers)
         self.device = get_profile(device)
+        self.slice_bytes = reload_slice_bytes
         hazards = list(layer.checkpoint_hazards)
         costs = LayerCosts.of(layer, self.device).per_layer(num_layers)
+        if gradient_bytes:  # the peak of a step whose backward allocates the gradients
+            costs = [replace(c, gradient_bytes=gradient_bytes) for c in costs]
         self._build(costs, self.device.d2h, self.device.h2d, [bool(hazards)] * num_layers)
         self.checkpoint_refused = hazards  # the same for every layer, said once
         self.layer_names = [layer.description] * num_layers if layer.description else []
@@ -240,6 +177,7 @@ class PolicySearch:
         hazards: Sequence[Sequence[str]] | None = None,
         modules: Sequence[int] | None = None,
         names: Sequence[str] = (),
+        reload_slice_bytes: int | None = None,
     ) -> PolicySearch:
         """A search over a stack with one :class:`LayerCosts` per layer (their times
         measured or predicted; the link's bandwidth in each direction given).
@@ -253,11 +191,14 @@ class PolicySearch:
             modules: per layer, which module it is (equal numbers: one module at several
                 positions, checkpointed at all of them or at none).
             names: per layer, what it is, for the plan's table.
+            reload_slice_bytes: offloaded layers reloaded in slices (NOTE [Reloading a
+                layer in slices] in engine/reload_slices.py); None: whole.
         """
         L = len(costs)
         _check_layers(L)
         search = cls.__new__(cls)
         search.device = None
+        search.slice_bytes = reload_slice_bytes
         hazards = list(hazards) if hazards is not None else [[]] * L
         search._build(
             list(costs), d2h_bytes_per_s, h2d_bytes_per_s, [bool(h) for h in hazards], modules
@@ -286,7 +227,7 @@ class PolicySearch:
         self.modules = None if modules is None else np.array(modules)
         codes = policy_family(len(costs))
         self.codes = codes[self.allowed(codes)]
-        self.results = simulate_many(self.codes, costs, d2h, h2d)
+        self.results = simulate_many(self.codes, costs, d2h, h2d, self.slice_bytes)
         self.checkpoints = self.checkpointed(self.codes).sum(axis=1)
 
     @staticmethod
@@ -309,7 +250,7 @@ class PolicySearch:
         return ok
 
     def _rank(self, codes: np.ndarray, budget: int, host_cap: int | None) -> np.ndarray:
-        results = simulate_many(codes, self.costs, self.d2h, self.h2d)
+        results = simulate_many(codes, self.costs, self.d2h, self.h2d, self.slice_bytes)
         return order(
             results.peak_bytes,
             results.step_s,
@@ -352,7 +293,9 @@ class PolicySearch:
             )
             codes = found[int(rank(found)[0])]
         policy = [POLICY_CHOICES[code] for code in codes]
-        row = simulate_policy(policy, self.costs, self.d2h, self.h2d)
+        row = simulate_policy(
+            policy, self.costs, self.d2h, self.h2d, reload_slice_bytes=self.slice_bytes
+        )
         binding = ""
         if row.peak_bytes > memory_budget:
             binding = "memory_budget"
@@ -380,6 +323,7 @@ class PolicySearch:
             host_cap,
             int(pool_reserve(row.offloaded_bytes)),
             binding,
+            reload_slice_bytes=self.slice_bytes,
         )
 
     def _why(self, row: PlanRow, budget: int) -> str:
@@ -414,6 +358,17 @@ def host_fits(offloaded_bytes: np.ndarray, host_cap: int | None) -> np.ndarray |
     return np.asarray(offloaded_bytes + offloaded_bytes // CLASS_DIVISIONS <= host_cap)
 
 
+def whole_or_sliced(whole: PolicyPlan, sliced: PolicyPlan) -> PolicyPlan:
+    """The plan with whole-layer reloads where it fits; else the one in slices where
+    that fits, or (neither fits) peaks lower.  Where whole layers fit, slices are not
+    taken even when predicted faster: the model times a slice's backward by its bytes,
+    which a backward of elementwise nodes consumes faster than the link brings the
+    next slice (docs/benchmarks.md, "The peers' own code beside ours")."""
+    if whole.fits or sliced.fits:
+        return whole if whole.fits else sliced
+    return sliced if sliced.predicted.peak_bytes < whole.predicted.peak_bytes else whole
+
+
 def choose_policy(
     layer: LayerProfile,
     num_layers: int,
@@ -421,6 +376,8 @@ def choose_policy(
     *,
     memory_budget: int,
     host_cap: int | None = None,
+    reload_slice_bytes: int | None = None,
+    gradient_bytes: int = 0,
 ) -> PolicyPlan:
     """The per-layer policy with the least predicted step time whose saved activations
     fit ``memory_budget`` bytes at every point of the step.  A layer whose recompute
@@ -434,6 +391,14 @@ def choose_policy(
             :class:`DeviceProfile`.
         memory_budget: bytes of saved activations allowed on the device.
         host_cap: bytes of host memory the policy may hold (``max_host_bytes``), or None.
+        reload_slice_bytes: offloaded layers may come back in slices of this many bytes
+            (NOTE [Reloading a layer in slices] in engine/reload_slices.py): the plan
+            reloads in slices (its ``reload_slice_bytes``) where only that fits the
+            budget (or, where nothing fits, peaks lower); elsewhere whole layers, as
+            without.
+        gradient_bytes: each layer's parameter gradients, where the budget is to cover
+            them as backward allocates them (``LayerCosts.gradient_bytes``); 0: the
+            budget is on top of them.
 
     Example:
         >>> import torch
@@ -447,4 +412,9 @@ def choose_policy(
         >>> tight.fits, tight.predicted.peak_bytes <= layer.saved_bytes * 3
         (True, True)
     """
-    return PolicySearch(layer, num_layers, device).choose(memory_budget, host_cap)
+    search = PolicySearch(layer, num_layers, device, gradient_bytes=gradient_bytes)
+    whole = search.choose(memory_budget, host_cap)
+    if reload_slice_bytes is None:
+        return whole
+    search = PolicySearch(layer, num_layers, device, reload_slice_bytes, gradient_bytes)
+    return whole_or_sliced(whole, search.choose(memory_budget, host_cap))

@@ -23,12 +23,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..device.profiles import DeviceProfile
-from ..engine.schedule import schedule_points
-from ..policy.policy import CHECKPOINTED, KEEP, OFFLOAD, OFFLOADED
+from ..engine.schedule import release_point, reload_point, schedule_points
+from ..policy.policy import (
+    CHECKPOINT,
+    CHECKPOINT_OFFLOAD,
+    CHECKPOINTED,
+    KEEP,
+    OFFLOAD,
+    OFFLOADED,
+    POLICY_CHOICES,
+)
 from .census import LayerProfile
 
 __all__ = ["LayerCosts", "PlanRow", "first_k", "layer_costs", "simulate", "simulate_policy"]
+__all__ += ["Many", "policy_bytes", "simulate_many", "slice_sizes", "sliced_backward"]
 
 
 @dataclass
@@ -78,6 +89,10 @@ class LayerCosts:
             input is the previous layer's output; NOTE [The layers after the first]).
         recompute_s: a checkpointed layer's recomputation in backward; its whole
             forward where None (:attr:`recompute`).
+        gradient_bytes: the parameter gradients the layer's backward allocates, counted
+            from the boundary below it to the step's end where given (the peak of a
+            step whose gradients are allocated by its backward); 0: left out (the
+            budget's gradients are allocated before the step: memory_budget.py).
     """
 
     saved_bytes: int
@@ -89,6 +104,7 @@ class LayerCosts:
     input_offloaded_bytes: int = 0
     following: LayerCosts | None = None
     recompute_s: float | None = None
+    gradient_bytes: int = 0
 
     @property
     def recompute(self) -> float:
@@ -157,28 +173,23 @@ def first_k(num_layers: int, k: int) -> list[str]:
     return [OFFLOAD] * k + [KEEP] * (num_layers - k)
 
 
-def simulate_policy(
-    policy: Sequence[str],
-    costs: LayerCosts | Sequence[LayerCosts],
-    d2h_bytes_per_s: float,
-    h2d_bytes_per_s: float,
-    *,
-    log: bool = True,
-) -> PlanRow:
-    """Run the default schedule with a per-layer policy (see :mod:`cpu_offload.policy.policy`):
-    the offloaded layers (``offload``, ``checkpoint+offload``) are released and reloaded
-    as :class:`~cpu_offload.DefaultOffloadSynchronizer` schedules its ``offloaded_layers``;
-    a checkpointed layer keeps its inputs saved and runs its forward again in backward,
-    where its saved activations are back on the device until the layer below runs.
-    ``costs`` is one layer's, for a stack of layers alike, or a list of one per layer."""
-    L = len(policy)
-    offloaded = [j for j, choice in enumerate(policy) if choice in OFFLOADED]
-    m = len(offloaded)
-    points = schedule_points(L, offloaded)
-    release_at = {layer: release for layer, (release, _) in points.items()}
-    released_at = {release: layer for layer, (release, _) in points.items()}
-    reloaded_at = {reload: layer for layer, (_, reload) in points.items()}
-    each = layer_costs(costs, L)
+def slice_sizes(moved: int, slice_bytes: int | None) -> list[int]:
+    """The slices a layer that moves ``moved`` bytes is reloaded in (NOTE [Reloading a
+    layer in slices] in engine/reload_slices.py), in backward order: ``slice_bytes``
+    each, the rest last; one slice, the whole layer, where it fits one (or None)."""
+    if slice_bytes is None or moved <= slice_bytes:
+        return [moved]
+    count = -(-moved // slice_bytes)
+    return [slice_bytes] * (count - 1) + [moved - slice_bytes * (count - 1)]
+
+
+def policy_bytes(
+    policy: Sequence[str], costs: LayerCosts | Sequence[LayerCosts], slice_bytes: int | None
+) -> tuple[list[LayerCosts], list[int], list[int], list[list[int]]]:
+    """Per layer of ``policy``: its costs, the bytes it keeps saved through the forward,
+    the bytes it moves, and the slices it is reloaded in (its moved bytes whole, but for
+    an offloaded layer with ``slice_bytes``)."""
+    each = layer_costs(costs, len(policy))
     saved = [
         each[j].saved_bytes if c not in CHECKPOINTED else each[j].input_bytes
         for j, c in enumerate(policy)
@@ -187,6 +198,57 @@ def simulate_policy(
         each[j].offloaded_bytes if c == OFFLOAD else each[j].input_offloaded_bytes
         for j, c in enumerate(policy)
     ]
+    cut = [slice_bytes if c == OFFLOAD else None for c in policy]
+    return each, saved, moved, [slice_sizes(n, size) for n, size in zip(moved, cut)]
+
+
+def sliced_backward(
+    compute: float, copies: float, sizes: list[int], backward_s: float, h2d_bytes_per_s: float
+) -> tuple[float, float, float]:
+    """The backward of a layer reloaded in slices of ``sizes`` (NOTE [Reloading a layer
+    in slices] in engine/reload_slices.py), its first slice there: each next slice's copy
+    starts as the one before it starts being consumed, and the compute stream waits for
+    a slice not there yet; the compute is split over the slices by their bytes.  Its
+    memory is the first two slices and what stays.  Returns the compute stream's and
+    the copies' clocks after it, and the time the compute stream waited."""
+    if len(sizes) == 1:  # reloaded whole, or not offloaded
+        return compute + backward_s, copies, 0.0
+    moved, waited = sum(sizes), 0.0
+    for s, nbytes in enumerate(sizes):
+        following = s + 1 < len(sizes)
+        if following:
+            copies = max(copies, compute) + sizes[s + 1] / h2d_bytes_per_s
+        compute += backward_s * nbytes / moved
+        if following and copies > compute:
+            waited += copies - compute
+            compute = copies
+    return compute, copies, waited
+
+
+def simulate_policy(
+    policy: Sequence[str],
+    costs: LayerCosts | Sequence[LayerCosts],
+    d2h_bytes_per_s: float,
+    h2d_bytes_per_s: float,
+    *,
+    log: bool = True,
+    reload_slice_bytes: int | None = None,
+) -> PlanRow:
+    """Run the default schedule with a per-layer policy (see :mod:`cpu_offload.policy.policy`):
+    the offloaded layers (``offload``, ``checkpoint+offload``) are released and reloaded
+    as :class:`~cpu_offload.DefaultOffloadSynchronizer` schedules its ``offloaded_layers``;
+    a checkpointed layer keeps its inputs saved and runs its forward again in backward,
+    where its saved activations are back on the device until the layer below runs.
+    ``costs`` is one layer's, for a stack of layers alike, or a list of one per layer;
+    ``reload_slice_bytes``: offloaded layers reloaded in slices (:func:`sliced_backward`)."""
+    L = len(policy)
+    offloaded = [j for j, choice in enumerate(policy) if choice in OFFLOADED]
+    m = len(offloaded)
+    points = schedule_points(L, offloaded)
+    release_at = {layer: release for layer, (release, _) in points.items()}
+    released_at = {release: layer for layer, (release, _) in points.items()}
+    reloaded_at = {reload: layer for layer, (_, reload) in points.items()}
+    each, saved, moved, slices = policy_bytes(policy, costs, reload_slice_bytes)
     compute = copies = waited = 0.0
     resident = [0] * L  # each layer's saved bytes on the device
     total = 0  # their sum
@@ -232,12 +294,13 @@ def simulate_policy(
         actions = []
         if j + 1 < L:
             hold(j + 1, 0)
+            total += each[j + 1].gradient_bytes
             actions.append(f"release {j + 1}")
         if j in reloaded_at:
             i = reloaded_at[j]
             start = max(copies, compute)
-            copies = reload_done[i] = start + moved[i] / h2d_bytes_per_s
-            hold(i, resident[i] + moved[i])
+            copies = reload_done[i] = start + slices[i][0] / h2d_bytes_per_s
+            hold(i, resident[i] + slices[i][0])
             actions.append(f"start reload {i}")
         if j in release_at:
             wait_for(reload_done[j])
@@ -246,9 +309,14 @@ def simulate_policy(
             recompute += each[j].recompute
             hold(j, each[j].saved_bytes)
             actions.append(f"recompute {j}")
-        compute += each[j].backward_s
+        hold(j, resident[j] + sum(slices[j][1:2]))  # and the second slice, if any
+        compute, copies, wait = sliced_backward(
+            compute, copies, slices[j], each[j].backward_s, h2d_bytes_per_s
+        )
+        waited += wait
         note(f"bwd {j}", actions)
     hold(0, 0)
+    total += each[0].gradient_bytes
     note("end", ["release 0"])
     baseline = sum(c.forward_s + c.backward_s for c in each)
     return PlanRow(
@@ -262,3 +330,107 @@ def simulate_policy(
         log=steps,
         recompute_s=recompute,
     )
+
+
+# The model above for many policies at once: a vectorized copy, one row per policy (codes
+# into POLICY_CHOICES), every row run through the same steps with numpy; the policy
+# search (policy_search.py) runs its whole family through it once per stack and device.
+_O, _C, _CO = (POLICY_CHOICES.index(c) for c in (OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD))
+
+
+@dataclass
+class Many:
+    """:func:`simulate_many`'s results, one entry per policy."""
+
+    end_of_forward_bytes: np.ndarray
+    peak_bytes: np.ndarray
+    offloaded_bytes: np.ndarray
+    step_s: np.ndarray
+
+
+def simulate_many(
+    codes: np.ndarray,
+    costs: LayerCosts | Sequence[LayerCosts],
+    d2h_bytes_per_s: float,
+    h2d_bytes_per_s: float,
+    reload_slice_bytes: int | None = None,
+) -> Many:
+    """:func:`simulate_policy` for every row of ``codes`` at once (no log); ``costs`` is
+    one layer's, or one per layer; ``reload_slice_bytes``: offloaded layers reloaded in
+    slices (as ``simulate_policy`` takes it)."""
+    n, L = codes.shape
+    rows = np.arange(n)
+    offloaded = (codes == _O) | (codes == _CO)
+    checkpointed = (codes == _C) | (codes == _CO)
+    m = offloaded.sum(axis=1)
+    by_rank = np.argsort(~offloaded, axis=1, kind="stable")  # offloaded layers first
+    each = layer_costs(costs, L)  # the costs of each position
+
+    def column(name: str, dtype: type = np.int64) -> np.ndarray:
+        return np.array([getattr(c, name) for c in each], dtype=dtype)[None, :]
+
+    saved_bytes, input_bytes = column("saved_bytes"), column("input_bytes")
+    forward_s, backward_s = column("forward_s", np.float64)[0], column("backward_s", np.float64)[0]
+    recompute_s = column("recompute", np.float64)[0]
+    saved = np.where(checkpointed, input_bytes, saved_bytes)
+    moved = np.where(codes == _O, column("offloaded_bytes"), 0)
+    moved += np.where(codes == _CO, column("input_offloaded_bytes"), 0)
+    # per position, the slices an offloaded layer comes back in; what its reload brings
+    slices = [slice_sizes(c.offloaded_bytes, reload_slice_bytes) for c in each]
+    first = np.where(codes == _O, np.array([s[0] for s in slices])[None, :], moved)
+    compute, copies = np.zeros(n), np.zeros(n)
+    copy_done, reload_done = np.zeros((n, L)), np.zeros((n, L))
+    total = np.zeros(n, dtype=np.int64)
+    peak = np.zeros(n, dtype=np.int64)
+    for j in range(L):
+        if j >= 1:
+            starts = offloaded[:, j - 1]
+            done = np.maximum(copies, compute) + moved[:, j - 1] / d2h_bytes_per_s
+            copies = np.where(starts, done, copies)
+            copy_done[:, j - 1] = done
+        rank = j - release_point(L, m, 0)  # the offloaded layer released here, if any
+        released = (rank >= 0) & (rank < m)
+        layer = by_rank[rows, np.clip(rank, 0, L - 1)]
+        compute = np.where(released, np.maximum(compute, copy_done[rows, layer]), compute)
+        total -= np.where(released, moved[rows, layer], 0)
+        compute += forward_s[j]
+        total += saved[:, j]
+        np.maximum(peak, total, out=peak)
+    end_of_forward = total.copy()
+    held = np.zeros(n, dtype=np.int64)  # what the layer whose backward ran holds
+    for j in reversed(range(L)):
+        total -= held
+        if j + 1 < L:
+            total += each[j + 1].gradient_bytes
+        rank = j - reload_point(L, m, 0)  # the offloaded layer reloaded here, if any
+        reloaded = (rank >= 0) & (rank < m)
+        layer = by_rank[rows, np.clip(rank, 0, L - 1)]
+        done = np.maximum(copies, compute) + first[rows, layer] / h2d_bytes_per_s
+        copies = np.where(reloaded, done, copies)
+        reload_done[rows, layer] = np.where(reloaded, done, reload_done[rows, layer])
+        total += np.where(reloaded, first[rows, layer], 0)
+        compute = np.where(offloaded[:, j], np.maximum(compute, reload_done[:, j]), compute)
+        compute += np.where(checkpointed[:, j], recompute_s[j], 0.0)
+        total += np.where(checkpointed[:, j], saved_bytes[0, j] - input_bytes[0, j], 0)
+        held = np.full(n, saved_bytes[0, j])
+        sizes = slices[j]
+        if len(sizes) > 1:  # the rows that offload j: the next slice as each is consumed
+            sliced = codes[:, j] == _O
+            extra = sizes[0] + sizes[1] - sum(sizes)  # two slices held, not all of them
+            total += np.where(sliced, sizes[1], 0)
+            held += np.where(sliced, extra, 0)
+            clock, link = compute.copy(), copies.copy()
+            for s, nbytes in enumerate(sizes):
+                if s + 1 < len(sizes):
+                    link = np.maximum(link, clock) + sizes[s + 1] / h2d_bytes_per_s
+                clock += backward_s[j] * nbytes / each[j].offloaded_bytes
+                if s + 1 < len(sizes):
+                    np.maximum(clock, link, out=clock)
+            compute = np.where(sliced, clock, compute + backward_s[j])
+            copies = np.where(sliced, link, copies)
+        else:
+            compute += backward_s[j]
+        np.maximum(peak, total, out=peak)
+    total -= held
+    np.maximum(peak, total + each[0].gradient_bytes, out=peak)
+    return Many(end_of_forward, peak, (moved * offloaded).sum(axis=1), compute)

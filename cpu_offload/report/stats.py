@@ -18,6 +18,8 @@ class OffloadStats:
         tensors_reloaded: host-to-device copies issued.
         bytes_reloaded: bytes copied host to device.
         on_demand_reloads: layers reloaded by a pop because no reload was scheduled.
+        slices_on_demand: slices of a layer reloaded in slices that a pop issued itself
+            (a tensor unpacked before its slice's turn; reload_slices.py).
         forward_passes: forward passes started.
         passes_moved_whole: forward passes moved whole to the host (``keep_passes``).
         tensors_kept_by_host_cap: tensors left on the device because the host buffer
@@ -32,6 +34,7 @@ class OffloadStats:
     tensors_reloaded: int = 0
     bytes_reloaded: int = 0
     on_demand_reloads: int = 0
+    slices_on_demand: int = 0
     forward_passes: int = 0
     passes_moved_whole: int = 0
     tensors_kept_by_host_cap: int = 0

@@ -26,6 +26,7 @@ FIELDS = {
     "ours_policy",
     "ours_step_s",
     "ours_peak_bytes",
+    "ours_reload_slice_bytes",
 }
 
 
@@ -55,8 +56,9 @@ def test_every_peer_runs_its_own_code_beside_ours(tmp_path, capsys):
     assert rows["none"]["ours_step_s"] == rows["none"]["modeled_step_s"]
     assert rows["none"]["ours_peak_bytes"] == rows["none"]["modeled_peak_bytes"]
     # beside checkpointing ours fits and is faster; beside the per-tensor offloaders ours
-    # is faster, at a peak that does not reach theirs (docs/benchmarks.md: ours reloads a
-    # layer at a time, they one saved tensor at a time)
+    # is faster, at a peak that does not reach theirs here (a tiny layer fits one of the
+    # benchmark's 64 MiB slices, so it comes back whole; at 8k, in slices, ours reaches
+    # torchtune's: docs/benchmarks.md)
     assert rows["checkpoint"]["ours_fits"] and rows["checkpoint"]["ours_speedup"] > 1
     if "hf_offload" in ran:  # ours on transformers' own stack
         assert rows["hf_offload"]["ours_fits"] and rows["hf_offload"]["ours_speedup"] > 1

@@ -98,3 +98,111 @@ def test_device_memory_falls_within_an_offloaded_layers_backward(per_tensor, mon
         assert steps == [MIB, MIB, MIB] and layer0 == kept
     else:  # all four reloaded tensors until the layer's end
         assert steps == [0, 0, 4 * MIB] and layer0[0] == kept[0] + MIB
+
+
+# ---------------------------------------------- NOTE [Reloading a layer in slices]
+
+
+def two_layers_of_sines(slice_bytes: int | None) -> tuple:
+    """Two layers of four sines (1 MiB saved each) on the modeled accelerator, the first
+    offloaded, reloaded whole or in slices of ``slice_bytes``."""
+    x = torch.empty(MIB // 4, device="meta", requires_grad=True)
+    with timed_runtime(DEVICE) as run:
+        marks: list = []
+        ctx, sync_fn = get_cpu_offload_context(
+            True, 1, 2, min_offload_numel=0, reload_slice_bytes=slice_bytes
+        )
+        h = x * 1
+        for _ in range(2):
+            with ctx:
+                h = chain_of_sines(h, marks, run)
+            h = sync_fn(h)
+        h.sum().backward()
+    return run, marks, ctx.offload_synchronizer.stats
+
+
+def test_a_layer_reloaded_in_slices_peaks_lower_than_a_whole_reload():
+    """Whole, layer 0's four reloaded tensors (1 MiB each) arrive together before its
+    backward; in slices of one tensor, one arrives then and each next one as the one
+    before it starts being consumed: as backward reaches each of its sines, layer 0
+    holds two tensors at most (the one in use, the next), not all four left, and the
+    step's peak is lower; the same bytes move."""
+    whole, whole_marks, _ = two_layers_of_sines(None)
+    sliced, sliced_marks, stats = two_layers_of_sines(MIB)
+    assert sliced.h2d_bytes == whole.h2d_bytes == 4 * MIB
+    assert stats.tensors_reloaded == 4 and stats.slices_on_demand == 0
+    kept = [m.counted for _, m in whole_marks[:4]]  # layer 1's: the same in both
+    assert kept == [m.counted for _, m in sliced_marks[:4]]
+    layer0 = [m.counted - kept[-1] for _, m in whole_marks[4:]]
+    assert layer0 == [3 * MIB, 2 * MIB, MIB, 0]  # all that is left, reloaded together
+    layer0 = [m.counted - kept[-1] for _, m in sliced_marks[4:]]
+    assert layer0 == [MIB, MIB, MIB, 0]  # the next slice only
+    assert whole.peak_bytes - sliced.peak_bytes == MIB
+
+
+def test_a_tensor_unpacked_before_its_slice_gets_its_slice_at_once():
+    """A pop from a slice not issued yet (a node unpacking in pack order) issues that
+    slice on demand and is handed the right tensor; the slice after it is prefetched."""
+    state = make_state()
+    state.reload_slice_bytes = 1  # one tensor per slice
+    xs = [torch.randn(16) for _ in range(4)]
+    handles = [state.push_tensor(x) for x in xs]
+    state.start_offload()
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    assert state.slices is not None and state.slices.issued == [True, False, False, False]
+    assert torch.equal(state.pop_tensor(handles[0]), xs[0])  # the last slice, out of order
+    assert state.stats.slices_on_demand == 1
+    assert torch.equal(state.pop_tensor(handles[3]), xs[3])  # slice 0, in order
+    assert state.slices.issued == [True, True, False, True]  # slice 1 prefetched
+    assert torch.equal(state.pop_tensor(handles[2]), xs[2])
+    assert torch.equal(state.pop_tensor(handles[1]), xs[1])
+    assert state.stats.slices_on_demand == 1 and state.stats.tensors_reloaded == 4
+    state.release_all_memory()
+
+
+def test_slices_take_tensors_in_reverse_pack_order():
+    from cpu_offload.engine.reload_slices import slice_sources
+
+    assert slice_sources([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
+    assert slice_sources([1, 8, 1, 1], 2) == [[3, 2], [1], [0]]
+    assert slice_sources([5], 100) == [[0]]
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (
+            "64MiB",
+            TypeError,
+            "reload_slice_bytes must be None (reload each offloaded layer "
+            "whole) or an int of bytes >= 1, got str '64MiB'",
+        ),
+        (True, TypeError, "got bool True"),
+        (
+            0,
+            ValueError,
+            "reload_slice_bytes must be >= 1 (bytes per slice of a reloaded "
+            "layer), got 0; pass None to reload each offloaded layer whole",
+        ),
+    ],
+)
+def test_reload_slice_bytes_is_checked(value, error, message):
+    with pytest.raises(error) as raised:
+        get_cpu_offload_context(True, 1, 2, reload_slice_bytes=value)
+    assert message in str(raised.value)
+    assert str(raised.value).startswith("get_cpu_offload_context: ")
+    from cpu_offload import offload_layers
+
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    with pytest.raises(error, match="reload_slice_bytes"):
+        offload_layers(layers, 1, reload_slice_bytes=value)
+
+
+def test_reload_slice_bytes_does_not_combine_with_a_memory_budget_yet():
+    from cpu_offload import offload_layers
+
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    with pytest.raises(TypeError) as raised:
+        offload_layers(layers, memory_budget="1GiB", reload_slice_bytes=64 * MIB)
+    assert "reload_slice_bytes= does not combine with it" in str(raised.value)

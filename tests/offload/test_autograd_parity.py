@@ -50,6 +50,17 @@ class Offload:
         self.handles.append(ctx)
         return ctx, sync_fn
 
+    def sliced(self, slice_bytes: int = 1, **options: Any) -> tuple[Any, Any]:
+        """The context with offloaded layers reloaded in slices of ``slice_bytes`` (NOTE
+        [Reloading a layer in slices]); the baseline gets none."""
+        if self.k is None:
+            return None, None
+        ctx, sync_fn = get_cpu_offload_context(
+            True, self.k, L, min_offload_numel=0, reload_slice_bytes=slice_bytes, **options
+        )
+        self.handles.append(ctx)
+        return ctx, sync_fn
+
     def layers(self, modules: list[torch.nn.Module]) -> None:
         if self.k is not None:
             handle = offload_layers(modules, self.k, min_offload_numel=0)
@@ -296,6 +307,59 @@ def unpacked_twice_in_one_node(drop: bool) -> Callable[[Offload], list[torch.Ten
         x = leaf(8, 4)
         layer = lambda h: _UnpackedTwice.apply(h.sin(), h.cos(), drop).exp()  # noqa: E731
         chain([layer, layer, layer], x, *off.context()).sum().backward()
+        return [x.grad]
+
+    return program
+
+
+class _UnpackedInPackOrder(torch.autograd.Function):
+    """``sin(a) * b * c`` saving ``a``, ``b`` and ``c``: its backward unpacks them in the
+    order they were saved, the opposite of a reload in slices (the first tensor saved
+    is in the last slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b, c)
+        return a.sin() * b * c
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        a, b, c = ctx.saved_tensors
+        return grad * a.cos() * b * c, grad * a.sin() * c, grad * a.sin() * b
+
+
+def sliced_layer(h: torch.Tensor) -> torch.Tensor:
+    """Several saved tensors, a view moved through its base, one unpacked out of order."""
+    gate, up = (h * 2).chunk(2, dim=-1)
+    mixed = torch.nn.functional.silu(gate) * up
+    return _UnpackedInPackOrder.apply(mixed.exp(), mixed.cos(), mixed.tanh()).repeat(1, 2)
+
+
+def reloaded_in_slices(retain: bool, **options: Any) -> Callable[[Offload], list]:
+    """Offloaded layers reloaded in slices of one tensor each: every slice prefetched
+    one ahead, a tensor unpacked out of order (its slice issued at once); ``retain``:
+    ``retain_graph=True`` and a second backward (the layers reloaded again)."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        x = leaf(64, 8)  # 2 KiB per saved tensor
+        loss = chain([sliced_layer] * L, x, *off.sliced(1, **options)).sum()
+        loss.backward(retain_graph=retain)
+        grads = [x.grad.clone()]
+        if retain:
+            loss.backward()
+            grads.append(x.grad)
+        return grads
+
+    return program
+
+
+def unpacked_twice_in_slices(drop: bool) -> Callable[[Offload], list[torch.Tensor]]:
+    """:func:`unpacked_twice_in_one_node` with the layers reloaded in slices."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        x = leaf(8, 4)
+        layer = lambda h: _UnpackedTwice.apply(h.sin(), h.cos(), drop).exp()  # noqa: E731
+        chain([layer, layer, layer], x, *off.sliced(64)).sum().backward()
         return [x.grad]
 
     return program
@@ -1253,6 +1317,13 @@ PROGRAMS = {
         view_through_its_base_modified_after_release, match=MODIFIED
     ),
     "integer indices from nonzero and argsort": Row(integer_indices_from_nonzero),
+    "reloaded in slices, one unpacked out of order": Row(reloaded_in_slices(False)),
+    "reloaded in slices, retain_graph=True twice": Row(reloaded_in_slices(True)),
+    "reloaded in slices under max_host_bytes": Row(
+        reloaded_in_slices(False, max_host_bytes="4KiB")
+    ),
+    "reloaded in slices, unpacked twice, first dropped": Row(unpacked_twice_in_slices(True)),
+    "reloaded in slices, unpacked twice, first held": Row(unpacked_twice_in_slices(False)),
     "tensors saved twice (a leaf, an activation)": Row(tensors_saved_twice(False)),
     "a tensor saved twice, modified in place": Row(tensors_saved_twice(True), match=MODIFIED),
     "exception inside a layer, then a step": Row(exception_inside_a_layer_then_a_step),

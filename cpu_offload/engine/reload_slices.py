@@ -1,0 +1,167 @@
+"""A layer reloaded in slices, in backward order (``reload_slice_bytes=``).
+
+NOTE [Reloading a layer in slices]
+    A whole-layer reload (NOTE [Offload stream ordering] in layer_data.py) brings every
+    saved tensor of a layer back at the start of its backward, before any of them is
+    consumed: the layer's saved bytes on top of everything else.  With
+    ``reload_slice_bytes`` the layer's host copies (one per distinct tensor, after group
+    processing) are cut into slices of about that many bytes, in reverse pack order
+    (the order backward unpacks them in): slice 0 holds the tensors saved last.
+    - The reload (``start_reload``) issues slice 0 only.
+    - A pop from slice ``s`` issues slice ``s + 1`` if it is not issued yet (prefetch
+      depth one slice: a slice's copy runs while the slice before it is consumed), then
+      makes its stream wait for slice ``s``'s event (once per slice and stream).
+    - A pop from a slice not issued yet (a tensor unpacked out of order) issues that
+      slice at once and waits for it: never wrong, only slower; it is counted in
+      ``OffloadStats.slices_on_demand``.
+    Each slice's device tensors are allocated on the compute stream, then the offload
+    stream waits for the compute stream, then copies, then records the slice's event:
+    the same ordering as a whole reload, per slice.  The tensors still go one by one as
+    their pops hand them out (NOTE [Reloaded tensors go one by one]); a position popped
+    again gets a new copy of its host copy, as there.  A layer that is not sliced, or
+    whose copies fit one slice, reloads whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from .layer_data import CopyingLayer, LayerData, hand_out
+
+__all__ = ["SlicedReload", "check_slice_bytes", "slice_sources"]
+
+
+def check_slice_bytes(value: object, api: str) -> int | None:
+    """``reload_slice_bytes=`` checked: None (whole-layer reloads) or an int >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{api}: reload_slice_bytes must be None (reload each offloaded layer whole) or "
+            f"an int of bytes >= 1, got {type(value).__name__} {value!r}."
+        )
+    if value < 1:
+        raise ValueError(
+            f"{api}: reload_slice_bytes must be >= 1 (bytes per slice of a reloaded layer), "
+            f"got {value}; pass None to reload each offloaded layer whole."
+        )
+    return value
+
+
+def slice_sources(sizes: list[int], slice_bytes: int) -> list[list[int]]:
+    """The indices of ``sizes`` (in pack order) as slices in reverse pack order: each
+    slice takes tensors from the end until it holds at least ``slice_bytes``."""
+    slices: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for index in reversed(range(len(sizes))):
+        current.append(index)
+        held += sizes[index]
+        if held >= slice_bytes:
+            slices.append(current)
+            current, held = [], 0
+    if current:
+        slices.append(current)
+    return slices
+
+
+class SlicedReload:
+    """The slices of one reload of a layer; see NOTE [Reloading a layer in slices].
+
+    Attributes:
+        slices: per slice, the indices of its distinct tensors (host copies).
+        slice_of: per distinct tensor, its slice.
+        positions: per distinct tensor, the pushed positions it goes back to.
+        issued: per slice, whether its copies were issued.
+        events: per slice, its copies' event (None until issued, or none copied).
+        waited: per slice, the stream keys that waited for its event.
+    """
+
+    __slots__ = ("slices", "slice_of", "positions", "issued", "events", "waited")
+
+    def __init__(self, data: LayerData, slice_bytes: int) -> None:
+        sizes = [shape.numel() * dtype.itemsize for shape, _, dtype in data.layouts]
+        self.slices = slice_sources(sizes, slice_bytes)
+        self.slice_of = [0] * len(sizes)
+        for number, sources in enumerate(self.slices):
+            for source in sources:
+                self.slice_of[source] = number
+        layout = data.layout
+        self.positions: list[list[int]] = [[] for _ in sizes]
+        if layout is None:
+            for source in range(len(sizes)):
+                self.positions[source].append(source)
+        else:
+            for position, source in enumerate(layout.source_index):
+                self.positions[source].append(position)
+        count = len(self.slices)
+        self.issued = [False] * count
+        self.events: list[Any] = [None] * count
+        self.waited: list[set[object]] = [set() for _ in range(count)]
+
+    @classmethod
+    def start(cls, data: LayerData, layer: CopyingLayer, slice_bytes: int) -> SlicedReload:
+        """Begin a reload of ``data`` in slices: issue slice 0 (the tensors saved last)."""
+        sliced = cls(data, slice_bytes)
+        positions = sum(len(p) for p in sliced.positions)
+        data.reloaded = [None] * positions
+        data.reload_event = None  # per slice instead
+        data.in_flight = []
+        data.pops_left = None if data.shares is None else dict(data.shares)
+        sliced.issue(data, layer, 0)
+        return sliced
+
+    def issue(self, data: LayerData, layer: CopyingLayer, number: int) -> None:
+        """Allocate slice ``number`` on the compute stream and queue its copies after
+        the compute stream's work (NOTE [Reloading a layer in slices])."""
+        self.issued[number] = True
+        sources = self.slices[number]
+        backend = layer.backend
+        stay, host = data.stay, data.host
+        moving = [s for s in sources if host[s] is not None]
+        with torch.no_grad():
+            targets = backend.empty_device_many([data.layouts[s] for s in moving])
+            if targets:
+                stream = layer.offload_stream
+                backend.wait_stream(stream, backend.current_stream())
+                hosts = [cast(torch.Tensor, host[s]) for s in moving]
+                nbytes = sum(h.nbytes for h in hosts)
+                timer = layer.copy_timer
+                began = timer.start(stream) if timer is not None else None
+                backend.copy_many(targets, hosts, stream, layer.name)
+                layer.stats.count("h2d", len(targets), nbytes)
+                if timer is not None:
+                    timer.stop("h2d", nbytes, began, stream)
+                event = self.events[number] = backend.record_event(stream)
+                data.in_flight.append(event)
+        device = dict(zip(moving, targets))
+        layout = data.layout
+        for source in sources:
+            tensor = device[source] if source in device else cast(torch.Tensor, stay[source])
+            for position in self.positions[source]:
+                view = None if layout is None else layout.views[position]
+                data.reloaded[position] = tensor if view is None else tensor.as_strided(*view)
+
+    def hand_out(self, data: LayerData, layer: CopyingLayer, position: int) -> torch.Tensor:
+        """The reloaded tensor at ``position`` for a pop: its slice issued (at once if
+        it was not: out of order), the next slice issued, the pop's stream made to wait
+        for its slice's copies."""
+        layout = data.layout
+        number = self.slice_of[position if layout is None else layout.source_index[position]]
+        if not self.issued[number]:
+            layer.stats.slices_on_demand += 1
+            self.issue(data, layer, number)
+        following = number + 1
+        if following < len(self.slices) and not self.issued[following]:
+            self.issue(data, layer, following)
+        event = self.events[number]
+        if event is not None:
+            backend = layer.backend
+            key = backend.current_stream_key()
+            waited = self.waited[number]
+            if key not in waited:
+                backend.wait_event(backend.current_stream(), event)
+                waited.add(key)
+        return hand_out(data, layer, position)
