@@ -65,6 +65,7 @@ from ..hooks.selection import (
     KEPT_BY_MODULES,
     NOT_DENSE,
     SUBCLASS,
+    kept_because,
     plain_kept_because,
     warn_not_dense,
 )
@@ -233,16 +234,8 @@ class OffloadableLayerState(LayerTransitions):
         elif numel < self.min_offload_numel:
             self.kept_fast.append(numel * tensor.itemsize)
         else:
-            marks = marks_of(tensor)
-            reason = plain_kept_because(
-                tensor,
-                numel,
-                self.backend.device,
-                self.min_offload_bytes,
-                marks,
-                tensor._base,
-                tensor.grad_fn,
-            )
+            device, least = self.backend.device, self.min_offload_numel
+            reason = kept_because(tensor, device, least, self.min_offload_bytes)
             self.saves.kept.append((reason or KEPT_BY_MODULES, numel * tensor.itemsize))
         return kept_handle(tensor, self)
 
