@@ -113,20 +113,21 @@ def pool_reserve(nbytes: int) -> int:
 class _Block:
     """A byte block of the pool and the view it last served (reused for the same layout)."""
 
-    __slots__ = ("data", "size", "view", "layout")
+    __slots__ = ("data", "size", "view", "layout", "asked")
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data
         self.size = data.numel()
+        self.asked = 0  # while lent: the bytes the view asks for
         self.view: torch.Tensor | None = None
         self.layout: Layout | None = None  # the view's, read once
 
-    def view_as(self, like: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` bytes seen with the shape, strides and dtype of ``like``."""
-        layout = (like.shape, like.stride(), like.dtype)
+    def view_as(self, layout: Layout, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` bytes seen with the shape, strides and dtype ``layout``."""
         if layout == self.layout:
             return cast(torch.Tensor, self.view)
-        view = self.data[:nbytes].view(like.dtype).as_strided(like.shape, like.stride())
+        shape, stride, dtype = layout
+        view = self.data[:nbytes].view(dtype).as_strided(shape, stride)
         self.view, self.layout = view, layout
         return view
 
@@ -162,7 +163,7 @@ class HostBufferPool:
         # and taking back cost O(classes), not O(blocks).
         self._free_sizes: list[int] = []
         self._free: defaultdict[int, list[_Block]] = defaultdict(list)
-        self._lent: dict[int, tuple[_Block, int]] = {}  # id(view) -> its block, bytes asked
+        self._lent: dict[int, _Block] = {}  # id(view) -> its block (and the bytes asked)
         self._retained: defaultdict[int, list[list[torch.Tensor | None]]] = defaultdict(list)
         self._reserved = 0
         self._in_use = 0
@@ -231,16 +232,17 @@ class HostBufferPool:
                 self._requested -= nbytes
                 self._refuse(nbytes)
                 continue
-            like = tensors[position]
             if layouts is None:
+                like = tensors[position]
                 layout: Layout = (like.shape, like.stride(), like.dtype)
             else:
                 layout = layouts[position]
-            if layout == block.layout:
+            if layout == block.layout:  # (the common case, without a call)
                 view = cast(torch.Tensor, block.view)
             else:
-                view = block.view_as(like, nbytes)
-            lent[id(view)] = (block, nbytes)
+                view = block.view_as(layout, nbytes)
+            lent[id(view)] = block
+            block.asked = nbytes
             buffers[position] = view
         return buffers
 
@@ -259,8 +261,8 @@ class HostBufferPool:
         requested = in_use = 0
         for view in buffers:
             if view is not None:
-                block, nbytes = lent.pop(id(view))
-                requested += nbytes
+                block = lent.pop(id(view))
+                requested += block.asked
                 size = block.size
                 in_use += size
                 blocks = free[size]
@@ -372,8 +374,8 @@ class HostBufferPool:
 
     def _take_back(self, view: torch.Tensor) -> _Block:
         """The block behind a lent view, no longer counted as in use."""
-        block, nbytes = self._lent.pop(id(view))
-        self._requested -= nbytes
+        block = self._lent.pop(id(view))
+        self._requested -= block.asked
         self._in_use -= block.size
         return block
 

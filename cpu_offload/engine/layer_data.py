@@ -204,21 +204,18 @@ class LayerData:
 
     # ------------------------------------------------------------ aliases
 
-    def alias_of(self, tensor: torch.Tensor, ref: weakref.ref[torch.Tensor] | None) -> torch.Tensor:
+    def alias_of(self, tensor: torch.Tensor, ref: Any, leaf: bool) -> torch.Tensor:
         """One alias without history per tensor object (NOTE [Saved tensors without
         their history] in layer_state.py), so a tensor pushed twice is copied once
         (group processing then has work); ``ref``: a weak reference to ``tensor``
-        already made, if any."""
+        already made, if any; ``leaf``: whether it is a leaf and no view."""
         key = id(tensor)
         entry = self.aliases.get(key)
         if entry is not None and entry[0]() is tensor:
             self.grouped = True
             return entry[1]
-        if tensor.is_leaf and tensor._base is None:
-            alias = tensor  # the user's own tensor: not the layer's to empty
-            self.leaves = True
-        else:
-            alias = tensor.detach()
+        alias = tensor if leaf else tensor.detach()  # a leaf: the user's, not ours to empty
+        self.leaves = self.leaves or leaf
         self.aliases[key] = (ref if ref is not None else weakref.ref(tensor), alias)
         return alias
 
@@ -229,7 +226,7 @@ class LayerData:
         if self.via_base is None:
             self.via_base = set()
         self.via_base.add(position)
-        base_alias = self.alias_of(base, None)
+        base_alias = self.alias_of(base, None, base.is_leaf)  # (a base is no view)
         return base_alias.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
     def drop_pushed(self) -> None:
@@ -287,10 +284,12 @@ class LayerData:
         pushed, ready, versions, backend = self.pushed, self.ready, self.versions, layer.backend
         # A tensor modified in place since its push will never be handed back (its
         # unpack raises), but its copy must still be ordered after the modifying work.
-        for index, tensor in enumerate(pushed):
-            if tensor._version != versions[index]:
-                self.modified[index] = tensor._version
-                ready[index] = backend.record_event()
+        found = [tensor._version for tensor in pushed]
+        if found != versions:
+            for index, version in enumerate(found):
+                if version != versions[index]:
+                    self.modified[index] = version
+                    ready[index] = backend.record_event()
         unique, self.layout = self.to_copy()
         self.unique = unique
         # Read once: the pool's views and the reload's tensors take these layouts.
@@ -332,7 +331,7 @@ class LayerData:
                 for host, kept in zip(self.host, self.stay)
             ]
         else:
-            targets = backend.empty_device_many(self.layouts)
+            targets = backend.empty_device_many(self.layouts, cast(list, self.host))
         backend.wait_stream(stream, backend.current_stream())
         hosts, reloaded = _with_host(self, targets)
         _copy(layer, "h2d", reloaded, hosts, self.host_bytes)

@@ -58,13 +58,14 @@ from ..hooks.handles import (
     unpack_saved,
     verbatim,
 )
-from ..hooks.marks import marks_of
+from ..hooks.marks import marked_tensors, marks_of
 from ..hooks.saving_protocol import decompose, has_saving_protocol
 from ..hooks.selection import (
     DEFAULT_MIN_OFFLOAD_NUMEL,
     KEPT_BY_MODULES,
     NOT_DENSE,
     SUBCLASS,
+    kept_because,
     plain_kept_because,
     warn_not_dense,
 )
@@ -176,15 +177,16 @@ class OffloadableLayerState(LayerTransitions):
             if self.largest_below_threshold < numel and type(tensor._base) is not _Parameter:
                 self.largest_below_threshold = numel  # (a weight's view is no activation)
             return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, self)
-        marks = marks_of(tensor)
+        marks = marks_of(tensor) if marked_tensors else None
+        base, grad_fn = tensor._base, tensor.grad_fn  # (``is_leaf`` is ``grad_fn is None``)
         reason = plain_kept_because(
-            tensor, numel, self.backend.device, self.min_offload_bytes, marks
+            tensor, numel, self.backend.device, self.min_offload_bytes, marks, base, grad_fn
         )
         if reason is not None:
             if reason is NOT_DENSE:
                 warn_not_dense(tensor)
             self.saves.kept.append((reason, numel * tensor.itemsize))
-            return (tensor if tensor.is_leaf else tensor.detach(), tensor._version, self)
+            return (tensor if grad_fn is None else tensor.detach(), tensor._version, self)
         data = self._data
         if data is None:
             lease = Lease(self)
@@ -195,21 +197,21 @@ class OffloadableLayerState(LayerTransitions):
         if event is None:
             # Covered by the one event start_offload records on the push stream,
             # unless the tensor was saved while another stream was current.
-            key = self.backend.current_stream_key()
+            backend = self.backend
             if data.push_stream is None:
-                data.push_stream, data.push_stream_key = self.backend.current_stream(), key
-            elif key != data.push_stream_key:
-                event = self.backend.record_event()
+                data.push_stream = backend.current_stream()
+                data.push_stream_key = backend.current_stream_key()
+            elif not backend.one_stream and backend.current_stream_key() != data.push_stream_key:
+                event = backend.record_event()
         index = len(data.pushed)
         data.versions.append(tensor._version)
         original = weakref.ref(tensor)
         data.originals.append(original)
         # What the layer holds: see NOTE [Saved tensors without their history].
-        base = tensor._base
         if base is not None and offloads_through_base(tensor, marks):
             alias = data.alias_view(index, tensor, base)
         else:
-            alias = data.alias_of(tensor, original)
+            alias = data.alias_of(tensor, original, grad_fn is None and base is None)
         data.pushed.append(alias)
         data.ready.append(event)
         return (lease, index)
@@ -232,10 +234,8 @@ class OffloadableLayerState(LayerTransitions):
         elif numel < self.min_offload_numel:
             self.kept_fast.append(numel * tensor.itemsize)
         else:
-            marks = marks_of(tensor)
-            reason = plain_kept_because(
-                tensor, numel, self.backend.device, self.min_offload_bytes, marks
-            )
+            device, least = self.backend.device, self.min_offload_numel
+            reason = kept_because(tensor, device, least, self.min_offload_bytes)
             self.saves.kept.append((reason or KEPT_BY_MODULES, numel * tensor.itemsize))
         return kept_handle(tensor, self)
 
@@ -299,7 +299,7 @@ class OffloadableLayerState(LayerTransitions):
             self._reload_on_demand()
         backend, slices = self.backend, self.slices  # slices: see reload_slices.py
         if slices is None and data.reload_event is not None:
-            key = backend.current_stream_key()
+            key = None if backend.one_stream else backend.current_stream_key()
             if key != data.reload_waited_on:  # once per layer and stream
                 stream, event = backend.current_stream(), data.reload_event
                 in_range("wait_reload", self.name, backend.wait_event, stream, event)

@@ -159,7 +159,7 @@ class SlicedReload:
         event = self.events[number]
         if event is not None:
             backend = layer.backend
-            key = backend.current_stream_key()
+            key = None if backend.one_stream else backend.current_stream_key()
             waited = self.waited[number]
             if key not in waited:
                 backend.wait_event(backend.current_stream(), event)

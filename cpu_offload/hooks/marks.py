@@ -22,6 +22,7 @@ __all__ = [
     "mark_storage_not_offload",
     "marks_of",
     "marked_storages",
+    "marked_tensors",
     "set_mark",
 ]
 
@@ -42,6 +43,8 @@ class TensorMarks:
 
 
 _table = WeakTensorKeyDictionary()
+#: the table's dictionary: empty while no tensor is marked (a check without a call)
+marked_tensors = _table.data
 _lock = threading.Lock()
 # Storages marked "do not offload", by storage pointer.  A weak reference keeps the
 # storage's control block, so a pointer cannot be reused while its entry exists.
@@ -52,7 +55,7 @@ marked_storages = _not_offloaded
 
 def marks_of(tensor: torch.Tensor) -> TensorMarks | None:
     """The marks of ``tensor``, or ``None`` when it has none."""
-    if not _table.data:  # the common case; a lookup would build a weak reference
+    if not marked_tensors:  # the common case; a lookup would build a weak reference
         return None
     return _table.get(tensor)
 

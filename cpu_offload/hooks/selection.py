@@ -93,6 +93,7 @@ def _cast_node_type() -> type | None:
 #: the node class of a dtype cast, known once (asking a node its name costs a call per tensor)
 _CAST_NODE = _cast_node_type()
 _STRIDED = torch.strided
+_CPU = torch.device("cpu")
 _Parameter = torch.nn.Parameter
 _is_functional = torch._is_functional_tensor
 
@@ -154,7 +155,9 @@ def kept_because(
     numel = tensor.numel()
     if numel < min_numel:
         return SMALL
-    return plain_kept_because(tensor, numel, device, min_bytes, marks_of(tensor))
+    return plain_kept_because(
+        tensor, numel, device, min_bytes, marks_of(tensor), tensor._base, tensor.grad_fn
+    )
 
 
 def plain_kept_because(
@@ -163,17 +166,21 @@ def plain_kept_because(
     device: torch.device,
     min_bytes: int,
     marks: TensorMarks | None,
+    base: torch.Tensor | None,
+    grad_fn: object,
 ) -> str | None:
     """:func:`kept_because` for a ``torch.Tensor`` (exactly) of ``numel`` elements, at
-    least ``min_numel``, whose marks are ``marks``: the pack hook's path, where every
-    check is paid per saved tensor, so the cheap and common ones come first."""
+    least ``min_numel``, whose marks are ``marks``, ``_base`` is ``base`` and
+    ``grad_fn`` is ``grad_fn``: the pack hook's path, where every check is paid per
+    saved tensor, the cheap and common ones first (each attribute read from Python
+    costs a call: the caller reads ``_base`` and ``grad_fn``, which it needs too, once)."""
     if numel == 0 or (min_bytes and numel * tensor.element_size() < min_bytes):
         return SMALL
-    if tensor.device != device:
+    # (``is_cpu`` reads a flag; ``device`` makes a device object to compare)
+    if (not tensor.is_cpu) if device == _CPU else tensor.device != device:
         return OTHER_DEVICE
     if tensor.layout is not _STRIDED:
         return NOT_STRIDED
-    base = tensor._base
     # A view of a weight (Linear saves weight.t()) is a weight.  (Parameters are leaves;
     # an isinstance check against Parameter runs Python code, so it is asked last.)
     if base is not None and base.is_leaf and isinstance(base, _Parameter):
@@ -184,7 +191,7 @@ def plain_kept_because(
         return BIT_OR_TRACING  # (fake tensors are a subclass, refused above)
     if (
         _CAST_NODE is None
-        or type(tensor.grad_fn) is _CAST_NODE
+        or type(grad_fn) is _CAST_NODE
         or (base is not None and type(base.grad_fn) is _CAST_NODE)
     ) and (tensor.requires_grad and _is_cast_of_parameter(tensor)):
         return PARAMETER

@@ -252,6 +252,8 @@ def test_retained_buffers_are_reused_and_shape_change_is_an_error(streams):
 class _CountingBackend(type(get_backend("cpu"))):
     """The host backend with a current stream that a test can switch, counting events."""
 
+    one_stream = False  # its current stream changes: the layer must ask which it is
+
     def __init__(self) -> None:
         super().__init__()
         self.key = "compute"
