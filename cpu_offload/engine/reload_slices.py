@@ -122,11 +122,11 @@ class SlicedReload:
         stay, host = data.stay, data.host
         moving = [s for s in sources if host[s] is not None]
         with torch.no_grad():
-            targets = backend.empty_device_many([data.layouts[s] for s in moving])
+            hosts = [cast(torch.Tensor, host[s]) for s in moving]
+            targets = backend.empty_device_many([data.layouts[s] for s in moving], hosts)
             if targets:
                 stream = layer.offload_stream
                 backend.wait_stream(stream, backend.current_stream())
-                hosts = [cast(torch.Tensor, host[s]) for s in moving]
                 nbytes = sum(h.nbytes for h in hosts)
                 timer = layer.copy_timer
                 began = timer.start(stream) if timer is not None else None
