@@ -55,6 +55,7 @@ def test_positional_order_is_te_compatible():
         "max_host_bytes",
         "offloaded_layers",
         "keep_passes",
+        "reload_slice_bytes",
     ]
     # Megatron passes them positionally.
     ctx, sync_fn = get_cpu_offload_context(True, 1, 2, True, False, False)
