@@ -38,6 +38,42 @@ PIPELINE_ORDERS = {
 }
 
 
+def run_pipeline_order(
+    layers: nn.ModuleList, order: str, k: int | None, **options: Any
+) -> tuple[list[torch.Tensor], Any]:
+    """The gradients after one of ``PIPELINE_ORDERS`` on MLP layers of width 32, and the
+    context (None without offload: ``k=None``); ``options`` go to the context."""
+    from cpu_offload import get_cpu_offload_context
+
+    layers.zero_grad(set_to_none=True)
+    ctx = sync_fn = None
+    if k is not None:
+        ctx, sync_fn = get_cpu_offload_context(True, k, len(layers), min_offload_numel=0, **options)
+    outputs = {}
+    for step in order.split():
+        micro = int(step[1:])
+        if step[0] == "F":
+            x = make_input("mlp", 32, torch.float32, seed=micro).requires_grad_()
+            outputs[micro] = forward(layers, x, ctx, sync_fn)
+        else:
+            outputs.pop(micro).square().mean().backward()
+    return [p.grad.clone() for p in layers.parameters()], ctx
+
+
+def modeled_device(link_bytes_per_s: float = 1e9, host_issue_s: float = 2e-6) -> Any:
+    """The small device the modeled accelerator's tests run on (1 GB/s: 1 MiB in ~1 ms)."""
+    from cpu_offload.device.profiles import DeviceProfile
+
+    return DeviceProfile(
+        link_bytes_per_s=link_bytes_per_s,
+        flops_per_s=1e12,
+        memory_bytes_per_s=1e11,
+        launch_s=1e-6,
+        host_issue_s=host_issue_s,
+        name="test device",
+    )
+
+
 def make_layers(kind: str, num_layers: int, width: int, dtype: torch.dtype) -> nn.ModuleList:
     torch.manual_seed(0)
     if kind == "mlp":

@@ -7,22 +7,15 @@ import weakref
 
 import pytest
 import torch
+from helpers import modeled_device
 
 from cpu_offload import LayerState, OffloadableLayerState, get_cpu_offload_context
-from cpu_offload.device.profiles import DeviceProfile
 from cpu_offload.device.runtime import get_backend
 from cpu_offload.engine.host_buffers import HostBufferPool
 from cpu_offload.testing import timed_runtime
 
 MIB = 2**20
-DEVICE = DeviceProfile(
-    link_bytes_per_s=1e9,
-    flops_per_s=1e12,
-    memory_bytes_per_s=1e11,
-    launch_s=1e-6,
-    host_issue_s=2e-6,
-    name="test device",
-)
+DEVICE = modeled_device()
 
 
 def make_state() -> OffloadableLayerState:

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from helpers import PIPELINE_ORDERS as ORDERS
-from helpers import assert_bit_identical, forward, make_input, make_layers
+from helpers import assert_bit_identical, forward, make_input, make_layers, run_pipeline_order
 
 from cpu_offload import LayerState, get_cpu_offload_context, offload_layers
 from cpu_offload.testing import timed_runtime
@@ -33,21 +33,9 @@ def moved_whole_in(order: str, keep_passes: int) -> int:
 
 def run_order(layers, order: str, k: int | None, keep_passes: int | None = None):
     """The gradients after ``order``, and the context (None without offload)."""
-    layers.zero_grad(set_to_none=True)
-    ctx = sync_fn = None
-    if k is not None:
-        ctx, sync_fn = get_cpu_offload_context(
-            True, k, len(layers), min_offload_numel=0, keep_passes=keep_passes
-        )
-    outputs = {}
-    for step in order.split():
-        micro = int(step[1:])
-        if step[0] == "F":
-            x = make_input("mlp", 32, torch.float32, seed=micro).requires_grad_()
-            outputs[micro] = forward(layers, x, ctx, sync_fn)
-        else:
-            outputs.pop(micro).square().mean().backward()
-    return [p.grad.clone() for p in layers.parameters()], ctx
+    if k is None:
+        return run_pipeline_order(layers, order, None)
+    return run_pipeline_order(layers, order, k, keep_passes=keep_passes)
 
 
 @pytest.mark.usefixtures("streams")

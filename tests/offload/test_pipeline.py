@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import PIPELINE_ORDERS as ORDERS
-from helpers import assert_bit_identical, forward, make_input, make_layers
+from helpers import assert_bit_identical, forward, make_input, make_layers, run_pipeline_order
 
 from cpu_offload import CpuOffloadError, LayerState, get_cpu_offload_context
 
@@ -13,22 +13,11 @@ pytestmark = pytest.mark.usefixtures("streams")
 
 
 def run_order(layers, order: str, offloaded: int | None) -> list[torch.Tensor]:
-    layers.zero_grad(set_to_none=True)
-    ctx = sync_fn = None
-    if offloaded is not None:
-        ctx, sync_fn = get_cpu_offload_context(True, offloaded, len(layers), min_offload_numel=0)
-    outputs = {}
-    for step in order.split():
-        micro = int(step[1:])
-        if step[0] == "F":
-            x = make_input("mlp", 32, torch.float32, seed=micro).requires_grad_()
-            outputs[micro] = forward(layers, x, ctx, sync_fn)
-        else:
-            outputs.pop(micro).square().mean().backward()
+    grads, ctx = run_pipeline_order(layers, order, offloaded)
     if ctx is not None:
         assert ctx.offload_synchronizer.get_offloaded_total_size_mb() == 0
         assert ctx.offload_synchronizer.stats.on_demand_reloads == 0
-    return [p.grad.clone() for p in layers.parameters()]
+    return grads
 
 
 @pytest.mark.parametrize("name", list(ORDERS))

@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import modeled_device
 
-from cpu_offload.device.profiles import DeviceProfile
 from cpu_offload.testing import timed_runtime
 from cpu_offload.testing.modeled_cuda import modeled_cuda
 
-DEVICE = DeviceProfile(
-    link_bytes_per_s=1e9,
-    flops_per_s=1e12,
-    memory_bytes_per_s=1e11,
-    launch_s=1e-6,
-    host_issue_s=2e-6,
-    name="test device",
-)
+DEVICE = modeled_device()
 H = 512
 UNIT = H * H * 4  # one weight; an activation of 2H rows is two
 

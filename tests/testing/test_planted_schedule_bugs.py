@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MLPBlock
+from helpers import MLPBlock, modeled_device
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.device.profiles import DeviceProfile
 from cpu_offload.engine import synchronizer as synchronizer_module
 from cpu_offload.engine.layer_data import LayerData
 from cpu_offload.engine.offload_engine import OffloadEngine
@@ -25,14 +24,7 @@ WIDTH, ROWS = 128, 512
 #: what a layer saves: its input, and the up projection's output and GELU's (2 x WIDTH)
 LAYER_BYTES = 5 * ROWS * WIDTH * 4
 #: a device on which one layer's copy (1.25 MiB, 66 us) hides behind its forward (~90 us)
-DEVICE = DeviceProfile(
-    link_bytes_per_s=2e10,
-    flops_per_s=1e12,
-    memory_bytes_per_s=1e11,
-    launch_s=1e-6,
-    host_issue_s=1e-6,
-    name="test device",
-)
+DEVICE = modeled_device(link_bytes_per_s=2e10, host_issue_s=1e-6)
 
 
 def step(layers: torch.nn.ModuleList, k: int | None) -> tuple[TimedReport, list[torch.Tensor]]:

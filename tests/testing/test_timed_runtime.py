@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import forward, make_input, make_layers, without_event_waits
+from helpers import forward, make_input, make_layers, modeled_device, without_event_waits
 
 from cpu_offload import get_cpu_offload_context
-from cpu_offload.device.profiles import DeviceProfile
 from cpu_offload.device.runtime import StreamBackend, get_backend
 from cpu_offload.testing import StreamHazardError, timed_runtime
 from cpu_offload.testing.trace import trace_events
 
 MIB = 2**20
-DEVICE = DeviceProfile(
-    link_bytes_per_s=1e9,  # 1 MiB: ~1 ms
-    flops_per_s=1e12,
-    memory_bytes_per_s=1e11,
-    launch_s=1e-6,
-    host_issue_s=2e-6,
-    name="test device",
-)
+DEVICE = modeled_device()
 
 
 def meta(*shape: int) -> torch.Tensor:
