@@ -266,6 +266,7 @@ def to_json(plan: Plan, description: str, node: Node | None = None) -> dict[str,
                 "saved_by_module",
                 "saved_by_kind",
                 "forward_sites",
+                "offloaded_unpacks",
             ):
                 measured.pop(key)
     return {

@@ -32,7 +32,7 @@ from ..hooks.tensor_group import TensorGroup, TensorGroupProcessor
 from ..policy.layer_discovery import primary_tensor
 from ..policy.module_choices import resolve_modules
 from ..policy.policy import checkpoint_hazards
-from .module_census import Where, attention_site, saved_by
+from .module_census import Where, attention_site, offloaded_unpacks, saved_by
 
 __all__ = ["ATTENTIONS", "LayerProfile", "measure_layer"]
 
@@ -79,6 +79,10 @@ class LayerProfile:
             that saved each storage (``""``: the layer's own code) and by the kind of
             operation that made it (``"matmul"``, ``"attention"``, ``"norm"``,
             ``"elementwise"``, ``"input"``).
+        offloaded_unpacks: per offloaded storage, in pack order, ``(bytes, backward
+            kernels run before its first unpack, rank of that unpack)``: when backward
+            consumes each slice of a layer reloaded in slices (NOTE [Timing the slices
+            of a reload] in schedule_model.py).
         forward_sites: per forward kernel, ``(submodule path, kind)`` of the operation
             that launched it: FLOPs and recompute cost per part
             (:func:`~cpu_offload.plan.module_census.costs_by`).
@@ -107,6 +111,7 @@ class LayerProfile:
     saved_by_module: dict[str, int] = field(default_factory=dict, repr=False)
     saved_by_kind: dict[str, int] = field(default_factory=dict, repr=False)
     forward_sites: list[tuple[str, str]] = field(default_factory=list, repr=False)
+    offloaded_unpacks: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
 
 
 class _Kernels(TorchDispatchMode):
@@ -137,22 +142,34 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 @contextlib.contextmanager
 def _record(
-    saved: list[torch.Tensor], kernels: _Kernels | None = None, where: Where | None = None
+    saved: list[torch.Tensor],
+    kernels: _Kernels | None = None,
+    where: Where | None = None,
+    unpacked: tuple[_Kernels, dict[int, int]] | None = None,
 ) -> Iterator[None]:
     """Record what autograd saves; with ``kernels``, how many kernels had run at the
     last save (``LayerProfile.recompute_kernels``); with ``where``, the submodules each
-    was saved in."""
+    was saved in; with ``unpacked`` (the backward's kernels and a dict), how many of
+    the backward's kernels had run at each saved tensor's first unpack, by its index."""
 
     def pack(tensor: Any) -> Any:
+        index = -1
         if isinstance(tensor, torch.Tensor):
+            index = len(saved)
             saved.append(tensor)
             if where is not None:
                 where.note()
         if kernels is not None:
             kernels.at_last_save = len(kernels.kernels)
+        return index, tensor
+
+    def unpack(packed: tuple[int, Any]) -> Any:
+        index, tensor = packed
+        if unpacked is not None and index >= 0:
+            unpacked[1].setdefault(index, len(unpacked[0].kernels))
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
 
 
@@ -219,7 +236,8 @@ def measure_layer(
     mode = DeviceKernels(attention, fused_dropout)
     where = Where(layer)
     forward_kernels, backward_kernels = _Kernels(where), _Kernels()
-    recording = _record(saved, forward_kernels, where)
+    first_unpacks: dict[int, int] = {}
+    recording = _record(saved, forward_kernels, where, (backward_kernels, first_unpacks))
     forward_counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOP_FORMULAS)
     with forward_counter, mode, recording, forward_kernels:
         with where.recording():
@@ -254,6 +272,7 @@ def measure_layer(
         recompute_kernels=forward_kernels.kernels[: forward_kernels.at_last_save],
         forward_sites=forward_kernels.sites,
     )
+    profile.offloaded_unpacks = offloaded_unpacks(saved, profile.saved, first_unpacks)
     activations = _activation_storages(saved, layer)
     profile.saved_by_module, profile.saved_by_kind = saved_by(saved, where, activations)
 

@@ -27,6 +27,7 @@ __all__ = [
     "attention_site",
     "costs_by",
     "kernel_kind",
+    "offloaded_unpacks",
     "saved_by",
     "tensor_kind",
 ]
@@ -229,3 +230,23 @@ def costs_by(
         for part in parts.values():
             part.recompute_s = math.fsum(device.kernel_seconds(*k) for k in part.recompute_kernels)
     return parts
+
+
+def offloaded_unpacks(
+    saved: list[torch.Tensor], rows: list[tuple[Any, str, str]], first_unpacks: dict[int, int]
+) -> list[tuple[int, int, int]]:
+    """``LayerProfile.offloaded_unpacks``: per storage of the ``saved`` tensors the
+    census offloads (``rows``), in pack order, its bytes, how many backward kernels ran
+    before any tensor of it was first unpacked, and that unpack's rank among the first
+    unpacks (``first_unpacks``: by saved index, in unpack order)."""
+    rank = {index: number for number, index in enumerate(first_unpacks)}
+    never = (max(first_unpacks.values(), default=0), len(rank))
+    firsts: dict[int, list[Any]] = {}  # storage -> [bytes, (first unpack, rank)]
+    for index, (tensor, row) in enumerate(zip(saved, rows)):
+        if row[2] != "offloaded":
+            continue
+        at = (first_unpacks[index], rank[index]) if index in rank else never
+        entry = firsts.setdefault(tensor.untyped_storage()._cdata, [0, at])
+        entry[0] = max(entry[0], tensor.numel() * tensor.element_size())
+        entry[1] = min(entry[1], at)
+    return [(nbytes, at[0], at[1]) for nbytes, at in firsts.values()]

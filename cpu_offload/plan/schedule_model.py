@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from ..device.profiles import DeviceProfile
+from ..engine.reload_slices import slice_sources
 from ..engine.schedule import release_point, reload_point, schedule_points
 from ..policy.policy import (
     CHECKPOINT,
@@ -39,7 +41,7 @@ from ..policy.policy import (
 from .census import LayerProfile
 
 __all__ = ["LayerCosts", "PlanRow", "first_k", "layer_costs", "simulate", "simulate_policy"]
-__all__ += ["Many", "policy_bytes", "simulate_many", "slice_sizes", "sliced_backward"]
+__all__ += ["Many", "Pop", "policy_bytes", "simulate_many", "slice_sizes", "sliced_backward"]
 
 
 @dataclass
@@ -93,6 +95,10 @@ class LayerCosts:
             from the boundary below it to the step's end where given (the peak of a
             step whose gradients are allocated by its backward); 0: left out (the
             budget's gradients are allocated before the step: memory_budget.py).
+        unpacks: per offloaded storage in pack order, its bytes, the backward's
+            seconds before its first unpack and that unpack's rank
+            (``LayerProfile.offloaded_unpacks``); empty: a sliced backward's compute
+            split by bytes (NOTE [Timing the slices of a reload]).
     """
 
     saved_bytes: int
@@ -105,6 +111,7 @@ class LayerCosts:
     following: LayerCosts | None = None
     recompute_s: float | None = None
     gradient_bytes: int = 0
+    unpacks: tuple[tuple[int, float, int], ...] = ()
 
     @property
     def recompute(self) -> float:
@@ -127,11 +134,79 @@ class LayerCosts:
             )
             if layer.recompute_kernels
             else None,
+            unpacks=unpack_seconds(layer, device),
         )
+
+    def slices(self, slice_bytes: int | None) -> tuple[list[int], list[Pop]]:
+        """The slices an offloaded layer is reloaded in, in backward order, and the
+        steps of its backward (NOTE [Timing the slices of a reload])."""
+        moved = self.offloaded_bytes
+        if not self.unpacks or slice_bytes is None or moved <= slice_bytes:
+            sizes = slice_sizes(moved, slice_bytes)
+            seconds = [self.backward_s * n / moved if moved else 0.0 for n in sizes]
+            pops = [Pop(0.0, (1,) if len(sizes) > 1 else (), 0)]
+            for s in range(1, len(sizes)):
+                pops.append(Pop(seconds[s - 1], (s + 1,) if s + 1 < len(sizes) else (), s))
+            return sizes, pops + [Pop(seconds[-1], (), -1)]
+        sources = slice_sources([n for n, _, _ in self.unpacks], slice_bytes)
+        sizes = [sum(self.unpacks[i][0] for i in slice) for slice in sources]
+        firsts = sorted(
+            (min(self.unpacks[i][1:] for i in slice), number)
+            for number, slice in enumerate(sources)
+        )
+        issued, pops, before = {0}, [], 0.0
+        for (at, _), number in firsts:  # a pop issues its slice and the next, if not yet
+            issues = tuple(s for s in (number, number + 1) if s < len(sizes) and s not in issued)
+            issued.update(issues)
+            pops.append(Pop(max(at - before, 0.0), issues, number))
+            before = max(at, before)
+        return sizes, pops + [Pop(max(self.backward_s - before, 0.0), (), -1)]
 
     def per_layer(self, num_layers: int) -> list[LayerCosts]:
         """The costs of each layer of a stack of ``num_layers``."""
         return [self] + [self.following or self] * (num_layers - 1)
+
+
+class Pop(NamedTuple):
+    """A step of a sliced backward (NOTE [Timing the slices of a reload]): ``after``
+    seconds of compute, then the pop that first takes from slice ``wait`` issues the
+    slices ``issues`` and waits for ``wait``'s copies (-1: the backward's end)."""
+
+    after: float
+    issues: tuple[int, ...]
+    wait: int
+
+
+# NOTE [Timing the slices of a reload]
+# A layer reloaded in slices (NOTE [Reloading a layer in slices] in
+# engine/reload_slices.py) waits where a pop takes from a slice whose copy is not done,
+# and a slice's copy starts at the first pop of the slice before it.  So what decides
+# the waits is when the backward first takes from each slice, not the slice's bytes: an
+# elementwise node can consume a 224 MiB slice in a fraction of the copy of the next,
+# and nodes may take from a later slice before an earlier one (issued at once, on
+# demand, behind the copies already queued).  The census records, per offloaded
+# storage, how many backward kernels ran before its first unpack, and the rank of that
+# unpack (``LayerProfile.offloaded_unpacks``); ``LayerCosts.unpacks`` times them as the
+# backward's kernels are timed; ``LayerCosts.slices`` cuts the storages into slices as
+# the engine does (``slice_sources``) and lists the pops in backward order: the compute
+# between them, the slices each issues, the slice each waits for.  Without the census
+# (costs given by hand), the compute is split over the slices by their bytes, each
+# slice first taken in turn.
+
+
+def unpack_seconds(
+    layer: LayerProfile, device: DeviceProfile
+) -> tuple[tuple[int, float, int], ...]:
+    """:attr:`LayerCosts.unpacks` of a census on ``device``: the backward's kernels
+    before each first unpack, timed as the whole backward is."""
+    kernels = layer.backward_kernels
+    if not layer.offloaded_unpacks or not kernels:
+        return ()
+    total = device.compute_seconds(layer.backward_flops, kernels)
+    each = [device.compute_seconds(f, [(f, b)]) for f, b in kernels]
+    before = np.concatenate([[0.0], np.cumsum(each)])
+    scale = total / before[-1] if before[-1] > 0 else 0.0
+    return tuple((n, float(before[at]) * scale, rank) for n, at, rank in layer.offloaded_unpacks)
 
 
 def layer_costs(costs: LayerCosts | Sequence[LayerCosts], num_layers: int) -> list[LayerCosts]:
@@ -198,30 +273,30 @@ def policy_bytes(
         each[j].offloaded_bytes if c == OFFLOAD else each[j].input_offloaded_bytes
         for j, c in enumerate(policy)
     ]
-    cut = [slice_bytes if c == OFFLOAD else None for c in policy]
-    return each, saved, moved, [slice_sizes(n, size) for n, size in zip(moved, cut)]
+    slices = [
+        each[j].slices(slice_bytes)[0] if c == OFFLOAD else [n]
+        for j, (c, n) in enumerate(zip(policy, moved))
+    ]
+    return each, saved, moved, slices
 
 
 def sliced_backward(
-    compute: float, copies: float, sizes: list[int], backward_s: float, h2d_bytes_per_s: float
+    compute: float, copies: float, sizes: list[int], pops: list[Pop], h2d_bytes_per_s: float
 ) -> tuple[float, float, float]:
     """The backward of a layer reloaded in slices of ``sizes`` (NOTE [Reloading a layer
-    in slices] in engine/reload_slices.py), its first slice there: each next slice's copy
-    starts as the one before it starts being consumed, and the compute stream waits for
-    a slice not there yet; the compute is split over the slices by their bytes.  Its
-    memory is the first two slices and what stays.  Returns the compute stream's and
+    in slices] in engine/reload_slices.py), its first slice there, run through ``pops``
+    (:meth:`LayerCosts.slices`): a pop issues its slices behind the copies queued and
+    after the compute so far, and the compute stream waits for a slice not there yet.
+    Its memory is the first two slices and what stays.  Returns the compute stream's and
     the copies' clocks after it, and the time the compute stream waited."""
-    if len(sizes) == 1:  # reloaded whole, or not offloaded
-        return compute + backward_s, copies, 0.0
-    moved, waited = sum(sizes), 0.0
-    for s, nbytes in enumerate(sizes):
-        following = s + 1 < len(sizes)
-        if following:
-            copies = max(copies, compute) + sizes[s + 1] / h2d_bytes_per_s
-        compute += backward_s * nbytes / moved
-        if following and copies > compute:
-            waited += copies - compute
-            compute = copies
+    done, waited = [compute] + [0.0] * (len(sizes) - 1), 0.0
+    for pop in pops:
+        compute += pop.after
+        for number in pop.issues:
+            copies = done[number] = max(copies, compute) + sizes[number] / h2d_bytes_per_s
+        if pop.wait >= 0 and done[pop.wait] > compute:
+            waited += done[pop.wait] - compute
+            compute = done[pop.wait]
     return compute, copies, waited
 
 
@@ -310,9 +385,9 @@ def simulate_policy(
             hold(j, each[j].saved_bytes)
             actions.append(f"recompute {j}")
         hold(j, resident[j] + sum(slices[j][1:2]))  # and the second slice, if any
-        compute, copies, wait = sliced_backward(
-            compute, copies, slices[j], each[j].backward_s, h2d_bytes_per_s
-        )
+        whole = [Pop(each[j].backward_s, (), -1)]  # reloaded whole, or not offloaded
+        pops = each[j].slices(reload_slice_bytes)[1] if len(slices[j]) > 1 else whole
+        compute, copies, wait = sliced_backward(compute, copies, slices[j], pops, h2d_bytes_per_s)
         waited += wait
         note(f"bwd {j}", actions)
     hold(0, 0)
@@ -376,7 +451,8 @@ def simulate_many(
     moved = np.where(codes == _O, column("offloaded_bytes"), 0)
     moved += np.where(codes == _CO, column("input_offloaded_bytes"), 0)
     # per position, the slices an offloaded layer comes back in; what its reload brings
-    slices = [slice_sizes(c.offloaded_bytes, reload_slice_bytes) for c in each]
+    timed = [c.slices(reload_slice_bytes) for c in each]
+    slices = [sizes for sizes, _ in timed]
     first = np.where(codes == _O, np.array([s[0] for s in slices])[None, :], moved)
     compute, copies = np.zeros(n), np.zeros(n)
     copy_done, reload_done = np.zeros((n, L)), np.zeros((n, L))
@@ -420,12 +496,13 @@ def simulate_many(
             total += np.where(sliced, sizes[1], 0)
             held += np.where(sliced, extra, 0)
             clock, link = compute.copy(), copies.copy()
-            for s, nbytes in enumerate(sizes):
-                if s + 1 < len(sizes):
-                    link = np.maximum(link, clock) + sizes[s + 1] / h2d_bytes_per_s
-                clock += backward_s[j] * nbytes / each[j].offloaded_bytes
-                if s + 1 < len(sizes):
-                    np.maximum(clock, link, out=clock)
+            ready = [clock.copy() for _ in sizes]
+            for pop in timed[j][1]:
+                clock += pop.after
+                for number in pop.issues:
+                    link = ready[number] = np.maximum(link, clock) + sizes[number] / h2d_bytes_per_s
+                if pop.wait >= 0:
+                    np.maximum(clock, ready[pop.wait], out=clock)
             compute = np.where(sliced, clock, compute + backward_s[j])
             copies = np.where(sliced, link, copies)
         else:

@@ -113,6 +113,9 @@ def test_the_fallback_measures_what_transformers_layer_saves(
         for key in ("forward_kernels", "backward_kernels", "recompute_kernels"):
             # transformers' layer also appends to its cache: a few kernels more
             assert _kernel_flops(mine.pop(key)) == _kernel_flops(its.pop(key))
+        # the same storages in pack order; when each is unpacked counts their kernels
+        mine_unpacks, its_unpacks = mine.pop("offloaded_unpacks"), its.pop("offloaded_unpacks")
+        assert [n for n, _, _ in mine_unpacks] == [n for n, _, _ in its_unpacks]
         assert mine == its, (seq, min_numel)  # every byte count, class and FLOP
 
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import functools
 import random
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from cpu_offload.plan.census import LayerProfile
 from cpu_offload.plan.policy_search import PolicySearch, choose_policy, policy_family
-from cpu_offload.plan.schedule_model import LayerCosts, simulate_many, simulate_policy, slice_sizes
+from cpu_offload.plan.schedule_model import (
+    LayerCosts,
+    simulate_many,
+    simulate_policy,
+    slice_sizes,
+    sliced_backward,
+)
 from cpu_offload.policy.policy import KEEP, OFFLOAD, POLICY_CHOICES
 
 MIB = 2**20
@@ -143,3 +151,34 @@ def test_a_search_with_gradients_predicts_them():
     at = [i for i, row in enumerate(plain.codes) if (row == keep).all()][0]
     assert counted.results.peak_bytes[at] == plain.results.peak_bytes[at]  # at the forward's end
     assert counted.costs[0].gradient_bytes == 8 * MIB
+
+
+def test_the_pops_of_a_census_issue_and_wait_as_the_engine_does():
+    """Four storages in pack order (bytes, backward seconds before the first unpack,
+    rank); slices of 100 in reverse pack order: [d], [c], [b, a].  The backward takes
+    from slice 0 at once, from slice 2 at 1 s (out of order: issued then, behind slice
+    1, which slice 0's pop issued), from slice 1 at 1.5 s; 3 s of compute."""
+    layer = replace(
+        costs(),
+        offloaded_bytes=400,
+        unpacks=((50, 2.0, 3), (50, 1.0, 1), (100, 1.5, 2), (200, 0.0, 0)),
+        backward_s=3.0,
+    )
+    sizes, pops = layer.slices(100)
+    assert sizes == [200, 100, 100]
+    assert [(p.after, p.issues, p.wait) for p in pops] == [
+        (0.0, (1,), 0),
+        (1.0, (2,), 2),
+        (0.5, (), 1),
+        (1.5, (), -1),
+    ]
+    # 100 bytes a second: slice 1 is there at 1 s, slice 2 at 2 s (queued behind it)
+    compute, copies, waited = sliced_backward(0.0, 0.0, sizes, pops, 100.0)
+    assert (compute, copies, waited) == (4.0, 2.0, 1.0)  # 3 s of compute, 1 s waited
+    policy = [OFFLOAD, KEEP]
+    many = simulate_many(
+        np.array([[POLICY_CHOICES.index(c) for c in policy]]), layer, 1e6, 100.0, 100
+    )
+    one = simulate_policy(policy, layer, 1e6, 100.0, reload_slice_bytes=100)
+    assert one.step_s == pytest.approx(float(many.step_s[0]), rel=1e-12)
+    assert one.peak_bytes == many.peak_bytes[0]
