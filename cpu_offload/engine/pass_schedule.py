@@ -17,7 +17,8 @@ NOTE [Moving a pass whole]
     the order its backward needs them, as the per-layer schedule reloads: when the
     backward of an older pass starts, the queue moves up, and each moved pass whose
     position is now below ``N`` starts the reload of its last layer only (prefetched
-    behind the older pass's backward); as its own backward reaches layer ``j``, the
+    behind the older pass's backward; a layer with nothing on the host is passed over,
+    the one below it reloaded in its place); as its own backward reaches layer ``j``, the
     reload of layer ``j - 1`` starts (behind layer ``j``'s backward), and of any layer
     above it not started yet (a layer whose backward hook did not run).  The device so
     holds of a pass brought back one layer until its backward starts, and two layers
@@ -129,12 +130,17 @@ class PassSchedule:
 
     @staticmethod
     def reload_down_to(forward_pass: ForwardPass, lowest: int) -> None:
-        """Start the reloads of the pass's layers from its next one down to ``lowest``."""
+        """Start the reloads of the pass's layers from its next one down to ``lowest``;
+        a layer with nothing on the host is passed over, the one below it reloaded in
+        its place."""
         while forward_pass.reload_next >= max(lowest, 0):
-            state = forward_pass.made_state(forward_pass.reload_next)
+            layer = forward_pass.reload_next
+            state = forward_pass.made_state(layer)
             forward_pass.reload_next -= 1
             if state is not None and state.state is LayerState.OFFLOAD_FINISHED:
                 state.start_reload()
+            if layer == lowest and (state is None or not state.num_offloaded_tensors):
+                lowest -= 1
 
     def _reload_on_demand(self, forward_pass: ForwardPass) -> None:
         for layer in reversed(range(forward_pass.layers_forwarded)):

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import torch
 
+from ..report.step_record import SaveCounts
 from .layer_data import CopyingLayer, LayerData, hand_out
 
 __all__ = ["SlicedReload", "check_slice_bytes", "slice_sources"]
@@ -79,9 +80,10 @@ class SlicedReload:
         waited: per slice, the stream keys that waited for its event.
     """
 
-    __slots__ = ("slices", "slice_of", "positions", "issued", "events", "waited")
+    __slots__ = ("slices", "slice_of", "positions", "issued", "events", "waited", "saves")
 
-    def __init__(self, data: LayerData, slice_bytes: int) -> None:
+    def __init__(self, data: LayerData, slice_bytes: int, saves: SaveCounts) -> None:
+        self.saves = saves  # the cycle's counts: each slice's bytes as it is copied back
         sizes = [shape.numel() * dtype.itemsize for shape, _, dtype in data.layouts]
         self.slices = slice_sources(sizes, slice_bytes)
         self.slice_of = [0] * len(sizes)
@@ -102,9 +104,12 @@ class SlicedReload:
         self.waited: list[set[object]] = [set() for _ in range(count)]
 
     @classmethod
-    def start(cls, data: LayerData, layer: CopyingLayer, slice_bytes: int) -> SlicedReload:
-        """Begin a reload of ``data`` in slices: issue slice 0 (the tensors saved last)."""
-        sliced = cls(data, slice_bytes)
+    def start(
+        cls, data: LayerData, layer: CopyingLayer, slice_bytes: int, saves: SaveCounts
+    ) -> SlicedReload:
+        """Begin a reload of ``data`` in slices: issue slice 0 (the tensors saved last);
+        ``saves``: the counts of the layer's cycle (``reloaded_bytes``)."""
+        sliced = cls(data, slice_bytes, saves)
         positions = sum(len(p) for p in sliced.positions)
         data.reloaded = [None] * positions
         data.reload_event = None  # per slice instead
@@ -132,6 +137,7 @@ class SlicedReload:
                 began = timer.start(stream) if timer is not None else None
                 backend.copy_many(targets, hosts, stream, layer.name)
                 layer.stats.count("h2d", len(targets), nbytes)
+                self.saves.reloaded_bytes += nbytes
                 if timer is not None:
                     timer.stop("h2d", nbytes, began, stream)
                 event = self.events[number] = backend.record_event(stream)

@@ -169,9 +169,9 @@ class LayerTransitions:
             if slice_bytes is None or not data.host or data.host_bytes <= slice_bytes:
                 self.slices = None
                 in_range("reload", self.name, data.copy_in, self)
-            else:
-                self.slices = SlicedReload.start(data, self, slice_bytes)
-            self.saves.reloaded_bytes += data.host_bytes
+                self.saves.reloaded_bytes += data.host_bytes
+            else:  # each slice's bytes counted as its copies are issued
+                self.slices = SlicedReload.start(data, self, slice_bytes, self.saves)
 
     def release_all_memory(self) -> None:
         """Drop the layer's device tensors after its backward.

@@ -199,3 +199,32 @@ def test_reload_slice_bytes_does_not_combine_with_a_memory_budget_yet():
     with pytest.raises(TypeError) as raised:
         offload_layers(layers, memory_budget="1GiB", reload_slice_bytes=64 * MIB)
     assert "reload_slice_bytes= does not combine with it" in str(raised.value)
+
+
+@pytest.mark.usefixtures("streams")
+def test_a_step_report_counts_the_slices_copied_back_not_the_whole_layer():
+    """A backward that unpacks only the tensors of a layer's last slice (``inputs=[w]``:
+    the nodes before the last multiply do not run) copies back that slice and the one
+    prefetched after it: the step report's ``reloaded_bytes`` says what was copied
+    back, as ``stats.bytes_reloaded`` does, not the layer's whole host copy."""
+    torch.manual_seed(0)
+    w = torch.randn(64, requires_grad=True)
+    ctx, sync_fn = get_cpu_offload_context(True, 1, 3, min_offload_numel=0, reload_slice_bytes=1)
+    synchronizer = ctx.offload_synchronizer
+    stats = synchronizer.stats
+
+    def step() -> None:
+        h = torch.randn(16, 64, requires_grad=True)
+        for _ in range(3):
+            with ctx:
+                h = h.sin().cos().exp() * w  # saves h, sin, cos, exp (4 KiB each) and w
+            h = sync_fn(h)
+        h.sum().backward(inputs=[w])
+
+    step()
+    before = (stats.bytes_offloaded, stats.bytes_reloaded)
+    step()
+    copied, reloaded = stats.bytes_offloaded - before[0], stats.bytes_reloaded - before[1]
+    figures = synchronizer.report().to_dict()
+    assert figures["copied_bytes"] == copied > reloaded > 0
+    assert figures["reloaded_bytes"] == reloaded

@@ -365,6 +365,71 @@ def unpacked_twice_in_slices(drop: bool) -> Callable[[Offload], list[torch.Tenso
     return program
 
 
+class _FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward raises (a failure in the middle of a backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise RuntimeError("failed in backward (simulated)")
+
+
+def sliced_backward_that_raises_then_a_step(off: Offload) -> list[torch.Tensor]:
+    """A backward that raises in the middle layer after the last layer's slices came
+    back (the next layer's first slice issued), its graph dropped, then a step: the
+    host buffers of the failed step are all given back."""
+    ctx, sync_fn = off.sliced(1)
+    for failing in (True, False):
+        x = leaf(64, 8)
+        middle = (lambda h: _FailsInBackward.apply(sliced_layer(h))) if failing else sliced_layer
+        try:
+            chain([sliced_layer, middle, sliced_layer], x, ctx, sync_fn).sum().backward()
+        except RuntimeError:
+            continue
+    if ctx is not None:
+        assert ctx.offload_synchronizer.host_memory_stats()["in_use_bytes"] == 0
+    return [x.grad]
+
+
+def sliced_partial_grad_then_backward(off: Offload) -> list[torch.Tensor]:
+    """:func:`partial_grad_then_backward` with the layers reloaded in slices: the layers
+    above the middle are reloaded in slices twice, the one below once, its first slice
+    issued by the first walk."""
+    x = leaf(64, 8)
+    ctx, sync_fn = off.sliced(1)
+    mid = chain([sliced_layer, sliced_layer], x, ctx, sync_fn)
+    loss = chain([sliced_layer], mid, ctx, sync_fn).sum()
+    (grad_mid,) = torch.autograd.grad(loss, mid, retain_graph=True)
+    loss.backward()
+    return [grad_mid, x.grad]
+
+
+def sliced_passes_moved_whole(order: str) -> Callable[[Offload], list]:
+    """Passes moved whole (``keep_passes=1``) and brought back a layer at a time, each
+    layer in slices, the backwards in ``order``."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        ctx, sync_fn = off.sliced(1, keep_passes=1)
+        inputs, outputs = {}, {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # out of order: reloaded on demand, said once
+            for step in order.split():
+                micro = int(step[1:])
+                if step[0] == "F":
+                    inputs[micro] = leaf(64, 8)
+                    outputs[micro] = chain([sliced_layer] * L, inputs[micro], ctx, sync_fn)
+                else:
+                    outputs.pop(micro).sum().backward()
+        if ctx is not None:
+            assert ctx.offload_synchronizer.host_memory_stats()["in_use_bytes"] == 0
+        return [inputs[micro].grad for micro in sorted(inputs)]
+
+    return program
+
+
 def partial_grad_then_backward(off: Offload) -> list[torch.Tensor]:
     """``autograd.grad`` down to a middle hidden state with ``retain_graph=True``, then the
     whole backward: the layers above are walked twice."""
@@ -1324,6 +1389,16 @@ PROGRAMS = {
     ),
     "reloaded in slices, unpacked twice, first dropped": Row(unpacked_twice_in_slices(True)),
     "reloaded in slices, unpacked twice, first held": Row(unpacked_twice_in_slices(False)),
+    "reloaded in slices, a backward that raises, then a step": Row(
+        sliced_backward_that_raises_then_a_step
+    ),
+    "reloaded in slices, autograd.grad then backward": Row(sliced_partial_grad_then_backward),
+    "reloaded in slices, passes moved whole, GPipe": Row(
+        sliced_passes_moved_whole("F0 F1 F2 F3 B0 B1 B2 B3")
+    ),
+    "reloaded in slices, passes moved whole, reverse": Row(
+        sliced_passes_moved_whole("F0 F1 F2 F3 B3 B2 B1 B0")
+    ),
     "tensors saved twice (a leaf, an activation)": Row(tensors_saved_twice(False)),
     "a tensor saved twice, modified in place": Row(tensors_saved_twice(True), match=MODIFIED),
     "exception inside a layer, then a step": Row(exception_inside_a_layer_then_a_step),

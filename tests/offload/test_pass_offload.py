@@ -96,6 +96,29 @@ def test_a_moved_pass_with_a_layer_that_saves_nothing_comes_back_layer_by_layer(
 
 
 @pytest.mark.usefixtures("streams")
+def test_a_moved_pass_whose_last_layer_saves_nothing_prefetches_the_layer_below():
+    """The layer a moved pass brings back first holds nothing on the host: the layer
+    below it comes back in its place, behind the older pass's backward, not when the
+    pass's own backward reaches it (without overlap)."""
+    layers = make_layers("mlp", 4, 32, torch.float32)
+    layers[3] = Scale()
+    ctx, sync_fn = get_cpu_offload_context(True, 0, 4, min_offload_numel=0, keep_passes=1)
+    synchronizer = ctx.offload_synchronizer
+    outs = [
+        forward(layers, make_input("mlp", 32, torch.float32, s).requires_grad_(), ctx, sync_fn)
+        for s in range(3)
+    ]
+    second = synchronizer.in_flight_passes()[1]
+    assert second.moved_whole and second.layer_states[3].num_offloaded_tensors == 0
+    outs[0].square().mean().backward()  # B0: the next pass comes back
+    done, back = LayerState.OFFLOAD_FINISHED, LayerState.RELOAD_STARTED
+    assert [s.state for s in second.layer_states] == [done, done, back, back]
+    for out in outs[1:]:
+        out.square().mean().backward()
+    assert synchronizer.stats.on_demand_reloads == 0
+
+
+@pytest.mark.usefixtures("streams")
 def test_passes_beyond_keep_move_whole_and_come_back_before_their_backward():
     layers = make_layers("mlp", 4, 32, torch.float32)
     ctx, sync_fn = get_cpu_offload_context(True, 1, 4, min_offload_numel=0, keep_passes=1)
