@@ -60,6 +60,19 @@ def run_pipeline_order(
     return [p.grad.clone() for p in layers.parameters()], ctx
 
 
+def load_example(name: str) -> Any:
+    """The module ``examples/<name>.py``, loaded as ``name`` (registered in ``sys.modules``
+    for the dataclasses it defines)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def modeled_device(link_bytes_per_s: float = 1e9, host_issue_s: float = 2e-6) -> Any:
     """The small device the modeled accelerator's tests run on (1 GB/s: 1 MiB in ~1 ms)."""
     from cpu_offload.device.profiles import DeviceProfile

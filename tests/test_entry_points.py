@@ -6,6 +6,7 @@ import runpy
 from pathlib import Path
 
 import pytest
+from helpers import load_example
 
 from cpu_offload.demo import main
 
@@ -71,16 +72,8 @@ def test_basic_example(capsys):
     assert "offloaded 16.0 MiB in 8 tensors" in out
 
 
-def test_megatron_style_example(capsys, monkeypatch):
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location(
-        "megatron_style", ROOT / "examples" / "megatron_style.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "megatron_style", module)  # for its dataclass
-    spec.loader.exec_module(module)
+def test_megatron_style_example(capsys):
+    module = load_example("megatron_style")
     assert module.main(["--steps", "2"]) == 0  # default sizes: above the threshold
     out = capsys.readouterr().out
     assert "gradients bit-identical: True" in out

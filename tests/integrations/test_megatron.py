@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import warnings
@@ -10,20 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_example
 from hosts import require
 
 from cpu_offload.integrations import megatron as megatron_offload
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location(
-        "megatron_gpt", ROOT / "examples" / "megatron_gpt.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +24,7 @@ def megatron():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    example = _example()
+    example = load_example("megatron_gpt")
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
         device = example.initialize(patch.setattr)

@@ -6,7 +6,6 @@ each rank's offloader plans for the passes its stage keeps in flight."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import types
 import warnings
@@ -14,19 +13,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers import load_example
 from hosts import require
 
 ROOT = Path(__file__).resolve().parents[2]
 MICROBATCHES, SEQ, BATCH = 4, 32, 2
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location(
-        "megatron_gpt", ROOT / "examples" / "megatron_gpt.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _TorchOnTheCpu(types.ModuleType):
@@ -45,7 +36,7 @@ def _stage(rank: int, world: int, store: str, out: str) -> None:
     """One rank: Megatron's 1F1B without offload, then two steps with offload_layers on
     the stage's decoder layers under a memory budget; what it saw, as JSON."""
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
-    example = _example()
+    example = load_example("megatron_gpt")
     example.cpu_harness()  # the current CUDA device and RNG tracker, on the CPU
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from megatron.core import parallel_state
