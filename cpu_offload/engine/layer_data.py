@@ -57,7 +57,7 @@ from ..report.step_record import SaveCounts
 from .host_buffers import HostBufferPool
 
 __all__ = ["NOT_WAITED", "CopyingLayer", "LayerData", "count_moves", "hand_out"]
-__all__ += ["pushed_bytes", "version_keeper"]
+__all__ += ["copy_timed", "pushed_bytes", "version_keeper"]
 
 #: ``LayerData.reload_waited_on`` before any stream waited for the reload
 NOT_WAITED = object()
@@ -312,7 +312,7 @@ class LayerData:
             sizes = [n for n, h in zip(sizes, host) if h is not None]
         self.host_bytes = sum(sizes)
         hosts, sources = _with_host(self, unique)
-        _copy(layer, "d2h", hosts, sources, self.host_bytes)
+        copy_timed(layer, "d2h", hosts, sources, self.host_bytes)
         self.in_flight = [backend.record_event(stream)]
 
     def copy_in(self, layer: CopyingLayer) -> None:
@@ -334,7 +334,7 @@ class LayerData:
             targets = backend.empty_device_many(self.layouts, cast(list, self.host))
         backend.wait_stream(stream, backend.current_stream())
         hosts, reloaded = _with_host(self, targets)
-        _copy(layer, "h2d", reloaded, hosts, self.host_bytes)
+        copy_timed(layer, "h2d", reloaded, hosts, self.host_bytes)
         # One event for the layer: its first pop waits for every copy.
         event = self.reload_event = backend.record_event(stream)
         self.reload_waited_on = NOT_WAITED
@@ -404,7 +404,7 @@ def hand_out(data: LayerData, layer: CopyingLayer, position: int) -> torch.Tenso
         return tensor if view is None else tensor.as_strided(*view)
 
 
-def _copy(
+def copy_timed(
     layer: CopyingLayer,
     direction: str,
     dsts: list[torch.Tensor],

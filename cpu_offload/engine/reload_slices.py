@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 
 from ..report.step_record import SaveCounts
-from .layer_data import CopyingLayer, LayerData, hand_out
+from .layer_data import CopyingLayer, LayerData, copy_timed, hand_out
 
 __all__ = ["SlicedReload", "check_slice_bytes", "slice_sources"]
 
@@ -133,13 +133,8 @@ class SlicedReload:
                 stream = layer.offload_stream
                 backend.wait_stream(stream, backend.current_stream())
                 nbytes = sum(h.nbytes for h in hosts)
-                timer = layer.copy_timer
-                began = timer.start(stream) if timer is not None else None
-                backend.copy_many(targets, hosts, stream, layer.name)
-                layer.stats.count("h2d", len(targets), nbytes)
+                copy_timed(layer, "h2d", targets, hosts, nbytes)
                 self.saves.reloaded_bytes += nbytes
-                if timer is not None:
-                    timer.stop("h2d", nbytes, began, stream)
                 event = self.events[number] = backend.record_event(stream)
                 data.in_flight.append(event)
         device = dict(zip(moving, targets))
