@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,13 @@ def budget_lines(args, rank: int, indices, handles, peaks, same: bool) -> tuple[
     return lines, ok
 
 
+def say(text: str) -> None:
+    """Print ``text`` in one write, so that ranks sharing a stdout do not interleave lines
+    (``print`` writes the text and its newline apart)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", choices=["1f1b", "interleaved"], default="1f1b")
@@ -187,13 +195,12 @@ def main() -> int:
     same = len(expected) == len(actual) and all(torch.equal(a, b) for a, b in zip(expected, actual))
     if args.memory_budget is not None:
         lines, ok = budget_lines(args, rank, indices, handles, peaks, same)
-        print("\n".join(lines), flush=True)
+        say("".join(line + "\n" for line in lines))
         return 0 if same and ok else 1
-    print(
+    say(
         f"rank {rank}: schedule={args.schedule} microbatches={args.microbatches} "
         f"offload={args.offload}/{args.layers_per_stage} per stage: "
-        f"gradients bit-identical: {same}",
-        flush=True,
+        f"gradients bit-identical: {same}\n"
     )
     return 0 if same else 1
 
