@@ -31,10 +31,10 @@ NOTE [Slices at the peak]
     outputs of that size: with the prefetch, the slice after them (the gate's output,
     for the SiLU's backward next) is on the device too, 224 MiB that
     ``save_on_cpu``, copying each tensor as it is unpacked, does not hold there.  So the
-    layers the planner names (``PolicyPlan.reload_on_demand_layers``: the first
-    offloaded layer in slices, where the step's gradients are given) bring each slice
-    as backward first takes from it: the slices' copies are exposed in that one layer's
-    backward, and its peak is the nodes' own.
+    layers of ``reload_on_demand_layers=`` bring each slice as backward first takes from
+    it: the slices' copies are exposed in that layer's backward, and its peak is the
+    nodes' own.  The planner names layer 0 (``PolicyPlan.reload_on_demand_layers``)
+    where the step's gradients are counted and only that fits the budget.
 """
 
 from __future__ import annotations

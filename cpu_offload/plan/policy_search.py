@@ -415,7 +415,8 @@ def choose_policy(
             budget is on top of them.  With ``reload_slice_bytes``, the plan may then
             bring layer 0's slices on demand, without prefetch (its
             ``reload_on_demand_layers``; NOTE [Slices at the peak] in
-            engine/reload_slices.py), where the prefetch is what does not fit.
+            engine/reload_slices.py) where that fits and the prefetch does not (or
+            fits slower: the lower peak may keep more layers).
 
     Example:
         >>> import torch
