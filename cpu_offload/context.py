@@ -14,7 +14,7 @@ import torch
 
 from .engine.layer_context import OffloadContext
 from .engine.manual_synchronizer import ManualOffloadSynchronizer
-from .engine.reload_slices import check_slice_bytes
+from .engine.reload_slices import check_on_demand, check_slice_bytes
 from .engine.synchronizer import DefaultOffloadSynchronizer
 from .hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .log import logger, warn
@@ -96,6 +96,7 @@ def get_cpu_offload_context(
     offloaded_layers: Sequence[int] | None = ...,
     keep_passes: int | None = ...,
     reload_slice_bytes: int | None = ...,
+    reload_on_demand_layers: Sequence[int] = ...,
 ) -> tuple[ContextManager, SyncFn]: ...
 
 
@@ -116,6 +117,7 @@ def get_cpu_offload_context(
     min_offload_bytes: int = ...,
     max_host_bytes: int | str | None = ...,
     reload_slice_bytes: int | None = ...,
+    reload_on_demand_layers: Sequence[int] = ...,
 ) -> tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]: ...
 
 
@@ -138,6 +140,7 @@ def get_cpu_offload_context(
     offloaded_layers: Sequence[int] | None = ...,
     keep_passes: int | None = ...,
     reload_slice_bytes: int | None = ...,
+    reload_on_demand_layers: Sequence[int] = ...,
 ) -> _Result: ...
 
 
@@ -159,6 +162,7 @@ def get_cpu_offload_context(
     offloaded_layers: Sequence[int] | None = None,
     keep_passes: int | None = None,
     reload_slice_bytes: int | None = None,
+    reload_on_demand_layers: Sequence[int] = (),
 ) -> _Result:
     """Offload the activations of chosen layers to host memory.
 
@@ -203,6 +207,11 @@ def get_cpu_offload_context(
             starts being consumed, for a lower peak in backward than a whole layer
             brought back at once (NOTE [Reloading a layer in slices] in
             engine/reload_slices.py).  None (default): whole layers.  An int >= 1.
+        reload_on_demand_layers: with ``reload_slice_bytes``, the layers whose slices
+            are copied back only as backward first takes from each, no slice prefetched:
+            the layers where the step peaks, so that a prefetched slice does not land on
+            the peak (NOTE [Slices at the peak]; ``choose_policy``'s plan names them).
+            Default: none.
 
     Returns:
         ``(context, sync_fn)``, or ``(context, sync_fn, controller)`` in manual mode.
@@ -232,6 +241,7 @@ def get_cpu_offload_context(
     )
     del double_buffering  # accepted for compatibility
     slice_bytes = check_slice_bytes(reload_slice_bytes, "get_cpu_offload_context")
+    on_demand = check_on_demand(reload_on_demand_layers, slice_bytes, model_layers)
     if offloaded_layers is not None:
         if manual_synchronization:
             raise ValueError(
@@ -272,6 +282,7 @@ def get_cpu_offload_context(
             max_host_bytes=max_host_bytes,
         )
         controller.reload_slice_bytes = slice_bytes
+        controller.reload_on_demand_layers = on_demand
         manual = OffloadContext(controller)
         logger.info("get_cpu_offload_context: %r", manual)
         return manual, manual.sync_fn, controller
@@ -287,6 +298,7 @@ def get_cpu_offload_context(
         keep_passes=keep_passes,
     )
     synchronizer.reload_slice_bytes = slice_bytes
+    synchronizer.reload_on_demand_layers = on_demand
     context = OffloadContext(synchronizer)
     logger.info("get_cpu_offload_context: %r", context)
     return context, context.sync_fn

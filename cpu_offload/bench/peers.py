@@ -170,6 +170,7 @@ class PeerRow:
     ours_policy: list[str] | None = None
     skip_reason: str | None = None
     ours_reload_slice_bytes: int | None = None
+    ours_reload_on_demand_layers: tuple[int, ...] = ()
 
     @property
     def ours_label(self) -> str:
@@ -180,7 +181,10 @@ class PeerRow:
             for first, last, choice in policy_runs(self.ours_policy)
         )
         slices = self.ours_reload_slice_bytes
-        return label if slices is None else f"{label}, O in {slices / 2**20:g} MiB slices"
+        if slices is None:
+            return label
+        on_demand = "".join(f", layer {j} on demand" for j in self.ours_reload_on_demand_layers)
+        return f"{label}, O in {slices / 2**20:g} MiB slices{on_demand}"
 
     def as_json(self) -> dict[str, Any]:
         """The row of the JSON's ``"peers"`` list."""
@@ -199,6 +203,7 @@ class PeerRow:
             modeled_host_syncs=peer.host_syncs,
             ours_policy=self.ours_policy,
             ours_reload_slice_bytes=self.ours_reload_slice_bytes,
+            ours_reload_on_demand_layers=list(self.ours_reload_on_demand_layers),
             ours_label=self.ours_label,
             ours_step_s=None if ours is None else ours.step_s,
             ours_peak_bytes=None if ours is None else ours.peak_bytes,
@@ -219,10 +224,12 @@ def hf_ours_step(
     min_offload_numel: int,
     record: bool = False,
     reload_slice_bytes: int | None = None,
+    reload_on_demand_layers: tuple[int, ...] = (),
 ) -> TimedReport:
     """Ours on transformers' own Llama stack (its ``layers``, under ``offload_layers``
-    with ``policy``, reloaded in slices of ``reload_slice_bytes``), unmodified, on the
-    modeled ``torch.cuda``: the ``hf_offload`` row's ours."""
+    with ``policy``, reloaded in slices of ``reload_slice_bytes``, on demand in
+    ``reload_on_demand_layers``), unmodified, on the modeled ``torch.cuda``: the
+    ``hf_offload`` row's ours."""
     for tensor in [x, *model.parameters()]:
         tensor.grad = None
     with timed_runtime(profile, record=record) as run, warnings.catch_warnings():
@@ -233,6 +240,7 @@ def hf_ours_step(
                 policy=policy,
                 min_offload_numel=min_offload_numel,
                 reload_slice_bytes=reload_slice_bytes,
+                reload_on_demand_layers=reload_on_demand_layers,
             )
             try:
                 h = x.clone()
@@ -251,6 +259,7 @@ def ours_step(
     record: bool,
     policy: list[str],
     reload_slice_bytes: int | None = None,
+    reload_on_demand_layers: tuple[int, ...] = (),
 ) -> TimedReport:
     """Ours on the benchmark's stack with ``policy`` (``simulate.modeled_step``)."""
     return modeled_step(
@@ -261,7 +270,11 @@ def ours_step(
         min_offload_numel=min_offload_numel,
         record=record,
         reload_slice_bytes=reload_slice_bytes,
+        reload_on_demand_layers=reload_on_demand_layers,
     )
+
+
+Ours = tuple[list[str], TimedReport, int | None, tuple[int, ...]]
 
 
 def ours_at(
@@ -272,12 +285,12 @@ def ours_at(
     device: Any,
     offset: int,
     gradient_bytes: int = 0,
-) -> tuple[list[str], TimedReport, int | None]:
+) -> Ours:
     """Our policy for a device peak of ``peak`` bytes (NOTE [Peers on the modeled
-    accelerator]), its modeled run by ``step``, and the slices its offloaded layers are
-    reloaded in (None: whole)."""
+    accelerator]), its modeled run by ``step``, the slices its offloaded layers are
+    reloaded in (None: whole) and the layers whose slices come back on demand."""
     budget = max(peak - offset, 0)
-    tried: list[tuple[list[str], TimedReport, int | None]] = []
+    tried: list[Ours] = []
     for attempt in range(TRIES):
         chosen = choose_policy(
             layer,
@@ -287,8 +300,13 @@ def ours_at(
             reload_slice_bytes=SLICE_BYTES,
             gradient_bytes=gradient_bytes,
         )
-        run = step(chosen.policy, reload_slice_bytes=chosen.reload_slice_bytes)
-        tried.append((chosen.policy, run, chosen.reload_slice_bytes))
+        on_demand = chosen.reload_on_demand_layers
+        run = step(
+            chosen.policy,
+            reload_slice_bytes=chosen.reload_slice_bytes,
+            reload_on_demand_layers=on_demand,
+        )
+        tried.append((chosen.policy, run, chosen.reload_slice_bytes, on_demand))
         over = run.peak_bytes - peak
         if over <= 0 or budget == 0:
             break
@@ -336,10 +354,10 @@ def run_peers(
         else:
             modeled = peer_step(mode, layers, x, device, record)
             step = functools.partial(ours_step, layers, x, device, numel, record)
-        policy, ours, slices = ours_at(
+        policy, ours, slices, on_demand = ours_at(
             modeled.peak_bytes, step, layer, config.layers, device, offset, gradients
         )
-        rows.append(PeerRow(mode, peer.code, modeled, ours, policy, ours_reload_slice_bytes=slices))
+        rows.append(PeerRow(mode, peer.code, modeled, ours, policy, None, slices, on_demand))
         if progress is not None:
             progress(rows[-1])
     return rows

@@ -134,10 +134,12 @@ def modeled_step(
     min_offload_numel: int,
     record: bool = True,
     reload_slice_bytes: int | None = None,
+    reload_on_demand_layers: Sequence[int] = (),
 ) -> TimedReport:
     """One forward and backward of ``layers`` under ``offload_layers`` (``k``, or
-    ``policy``; offloaded layers reloaded in slices of ``reload_slice_bytes``) on the
-    modeled ``profile``, with a memory mark at each layer boundary."""
+    ``policy``; offloaded layers reloaded in slices of ``reload_slice_bytes``, those of
+    ``reload_on_demand_layers`` without prefetch) on the modeled ``profile``, with a
+    memory mark at each layer boundary."""
     params = list(layers.parameters())
     for tensor in [x, *params]:
         tensor.grad = None
@@ -146,6 +148,8 @@ def modeled_step(
         options: dict[str, Any] = {"min_offload_numel": min_offload_numel}
         if reload_slice_bytes is not None:
             options["reload_slice_bytes"] = reload_slice_bytes
+        if reload_on_demand_layers:
+            options["reload_on_demand_layers"] = list(reload_on_demand_layers)
         if policy is not None:
             handle = offload_layers(layers, policy=list(policy), **options)
         else:

@@ -129,6 +129,8 @@ class OffloadEngine:
         self.copy_timer: CopyTimer | None = None
         #: NOTE [Reloading a layer in slices] in reload_slices.py (None: whole layers)
         self.reload_slice_bytes: int | None = None
+        #: layers whose slices come back on demand (NOTE [Slices at the peak])
+        self.reload_on_demand_layers: frozenset[int] = frozenset()
         self._allocations_before_step = 0  # the pool's allocations when the last step ended
 
     @property
@@ -155,6 +157,7 @@ class OffloadEngine:
         )
         state.reload_advice = self.reload_advice
         state.reload_slice_bytes = self.reload_slice_bytes
+        state.reload_prefetch = index not in self.reload_on_demand_layers
         return state
 
     def host_memory_stats(self) -> dict[str, int]:

@@ -11,6 +11,9 @@ NOTE [Reloading a layer in slices]
     - A pop from slice ``s`` issues slice ``s + 1`` if it is not issued yet (prefetch
       depth one slice: a slice's copy runs while the slice before it is consumed), then
       makes its stream wait for slice ``s``'s event (once per slice and stream).
+    - A layer reloaded on demand (``reload_on_demand_layers=``, NOTE [Slices at the
+      peak]) prefetches nothing: a pop issues its own slice only, when backward first
+      takes from it.
     - A pop from a slice not issued yet (a tensor unpacked out of order) issues that
       slice at once and waits for it: never wrong, only slower; it is counted in
       ``OffloadStats.slices_on_demand``.
@@ -20,10 +23,23 @@ NOTE [Reloading a layer in slices]
     their pops hand them out (NOTE [Reloaded tensors go one by one]); a position popped
     again gets a new copy of its host copy, as there.  A layer that is not sliced, or
     whose copies fit one slice, reloads whole.
+
+NOTE [Slices at the peak]
+    A step whose backward allocates the parameter gradients peaks in the backward of
+    its first layer, when every layer's gradients are there.  In a Llama layer that is
+    the SwiGLU multiply's backward, which takes two 224 MiB slices (at 8k) and makes two
+    outputs of that size: with the prefetch, the slice after them (the gate's output,
+    for the SiLU's backward next) is on the device too, 224 MiB that
+    ``save_on_cpu``, copying each tensor as it is unpacked, does not hold there.  So the
+    layers of ``reload_on_demand_layers=`` bring each slice as backward first takes from
+    it: the slices' copies are exposed in that layer's backward, and its peak is the
+    nodes' own.  The planner names layer 0 (``PolicyPlan.reload_on_demand_layers``)
+    where the step's gradients are counted and only that fits the budget.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -31,7 +47,7 @@ import torch
 from ..report.step_record import SaveCounts
 from .layer_data import CopyingLayer, LayerData, copy_timed, hand_out
 
-__all__ = ["SlicedReload", "check_slice_bytes", "slice_sources"]
+__all__ = ["SlicedReload", "check_on_demand", "check_slice_bytes", "slice_sources"]
 
 
 def check_slice_bytes(value: object, api: str) -> int | None:
@@ -49,6 +65,31 @@ def check_slice_bytes(value: object, api: str) -> int | None:
             f"got {value}; pass None to reload each offloaded layer whole."
         )
     return value
+
+
+def check_on_demand(value: object, slice_bytes: int | None, layers: int) -> frozenset[int]:
+    """``reload_on_demand_layers=`` checked: layer indices in ``[0, layers)``, given only
+    with ``reload_slice_bytes`` (NOTE [Slices at the peak])."""
+    api = "get_cpu_offload_context"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{api}: reload_on_demand_layers must be a sequence of layer indices, got "
+            f"{type(value).__name__} {value!r}."
+        )
+    indices = list(value)
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < layers:
+            raise ValueError(
+                f"{api}: reload_on_demand_layers must hold layer indices in [0, {layers}), "
+                f"got {index!r} in {indices!r}."
+            )
+    if indices and slice_bytes is None:
+        raise ValueError(
+            f"{api}: reload_on_demand_layers={indices!r} says which layers reloaded in "
+            "slices take no prefetch; it needs reload_slice_bytes= (whole-layer reloads "
+            "have no slices). Pass reload_slice_bytes, or leave reload_on_demand_layers out."
+        )
+    return frozenset(indices)
 
 
 def slice_sources(sizes: list[int], slice_bytes: int) -> list[list[int]]:
@@ -80,10 +121,22 @@ class SlicedReload:
         waited: per slice, the stream keys that waited for its event.
     """
 
-    __slots__ = ("slices", "slice_of", "positions", "issued", "events", "waited", "saves")
+    __slots__ = (
+        "slices",
+        "slice_of",
+        "positions",
+        "issued",
+        "events",
+        "waited",
+        "saves",
+        "prefetch",
+    )
 
-    def __init__(self, data: LayerData, slice_bytes: int, saves: SaveCounts) -> None:
+    def __init__(
+        self, data: LayerData, slice_bytes: int, saves: SaveCounts, prefetch: bool = True
+    ) -> None:
         self.saves = saves  # the cycle's counts: each slice's bytes as it is copied back
+        self.prefetch = prefetch  # False: on demand (NOTE [Slices at the peak])
         sizes = [shape.numel() * dtype.itemsize for shape, _, dtype in data.layouts]
         self.slices = slice_sources(sizes, slice_bytes)
         self.slice_of = [0] * len(sizes)
@@ -105,11 +158,17 @@ class SlicedReload:
 
     @classmethod
     def start(
-        cls, data: LayerData, layer: CopyingLayer, slice_bytes: int, saves: SaveCounts
+        cls,
+        data: LayerData,
+        layer: CopyingLayer,
+        slice_bytes: int,
+        saves: SaveCounts,
+        prefetch: bool = True,
     ) -> SlicedReload:
         """Begin a reload of ``data`` in slices: issue slice 0 (the tensors saved last);
-        ``saves``: the counts of the layer's cycle (``reloaded_bytes``)."""
-        sliced = cls(data, slice_bytes, saves)
+        ``saves``: the counts of the layer's cycle (``reloaded_bytes``); ``prefetch``:
+        False, each later slice is issued by its first pop (NOTE [Slices at the peak])."""
+        sliced = cls(data, slice_bytes, saves, prefetch)
         positions = sum(len(p) for p in sliced.positions)
         data.reloaded = [None] * positions
         data.reload_event = None  # per slice instead
@@ -155,7 +214,7 @@ class SlicedReload:
             layer.stats.slices_on_demand += 1
             self.issue(data, layer, number)
         following = number + 1
-        if following < len(self.slices) and not self.issued[following]:
+        if self.prefetch and following < len(self.slices) and not self.issued[following]:
             self.issue(data, layer, following)
         event = self.events[number]
         if event is not None:

@@ -120,6 +120,8 @@ class LayerTransitions:
         #: slices] in reload_slices.py), and the slices of the reload under way
         self.reload_slice_bytes: int | None = None
         self.slices: SlicedReload | None = None
+        #: False: the slices come back on demand (NOTE [Slices at the peak])
+        self.reload_prefetch = True
 
     def _transition(self, operation: str) -> None:
         """Check ``operation`` against :data:`TRANSITIONS` and take it."""
@@ -171,7 +173,9 @@ class LayerTransitions:
                 in_range("reload", self.name, data.copy_in, self)
                 self.saves.reloaded_bytes += data.host_bytes
             else:  # each slice's bytes counted as its copies are issued
-                self.slices = SlicedReload.start(data, self, slice_bytes, self.saves)
+                self.slices = SlicedReload.start(
+                    data, self, slice_bytes, self.saves, self.reload_prefetch
+                )
 
     def release_all_memory(self) -> None:
         """Drop the layer's device tensors after its backward.

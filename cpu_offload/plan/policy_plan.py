@@ -63,6 +63,9 @@ class PolicyPlan:
         reload_slice_bytes: offloaded layers reloaded in slices of this many bytes
             (NOTE [Reloading a layer in slices] in engine/reload_slices.py); None: whole.
             Pass it to ``offload_layers``.
+        reload_on_demand_layers: of those, the layers whose slices come back as
+            backward first takes from them, without prefetch (NOTE [Slices at the peak]
+            in engine/reload_slices.py).  Pass it to ``offload_layers``.
     """
 
     policy: list[str]
@@ -80,6 +83,7 @@ class PolicyPlan:
     in_flight: int = 1
     keep_passes: int | None = None
     reload_slice_bytes: int | None = None
+    reload_on_demand_layers: tuple[int, ...] = ()
 
     def blocks(self) -> list[tuple[int, int, str]]:
         """``(first layer, last layer, choice)`` for each run of equal choices."""
@@ -90,7 +94,9 @@ class PolicyPlan:
         with passes in flight what each does: ``"...; keep 1 pass, 3 of 4 moved whole"``."""
         runs = describe_policy(self.policy)
         if self.reload_slice_bytes is not None:
-            runs += f" (reloaded in slices of {size(self.reload_slice_bytes)})"
+            runs += f" (reloaded in slices of {size(self.reload_slice_bytes)}"
+            on_demand = self.reload_on_demand_layers
+            runs += f", layer {', '.join(map(str, on_demand))} on demand)" if on_demand else ")"
         if self.in_flight <= 1:
             return runs
         if self.keep_passes is None:

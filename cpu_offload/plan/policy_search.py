@@ -20,7 +20,7 @@ from the same table, so the predicted step time never decreases as the budget ti
 
 Stacks whose layers differ (:meth:`PolicySearch.of_layers`, one :class:`LayerCosts` per
 layer, as ``offload_layers(model, memory_budget=...)`` measures them) are searched the
-same way, then the table's answer is improved by a local search (``local_search.py``):
+same way, then the table's answer is improved by a local search (``many_policies.py``):
 NOTE [Layers that differ].
 """
 
@@ -37,9 +37,9 @@ from ..engine.schedule import max_offloaded
 from ..policy.memory_budget import size
 from ..policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD, POLICY_CHOICES
 from .census import LayerProfile
-from .local_search import improve, order
+from .many_policies import improve, order, simulate_many
 from .policy_plan import PolicyPlan
-from .schedule_model import LayerCosts, PlanRow, simulate_many, simulate_policy
+from .schedule_model import LayerCosts, PlanRow, simulate_policy
 
 __all__ = [
     "MAX_SEARCH_LAYERS",
@@ -92,7 +92,7 @@ def policy_family(num_layers: int, orders: Sequence[Sequence[str]] = ORDERS) -> 
 # NOTE [Layers that differ]
 # A stack whose layers differ is given as one LayerCosts per layer: every candidate of the
 # family then runs with each layer's own bytes and times, and the family's 8 best are
-# each improved by the local search of local_search.py (one layer's choice changed, or
+# each improved by the local search of many_policies.py (one layer's choice changed, or
 # two layers' choices swapped, the best move taken while it is better); the best result
 # is the answer.  Against a brute force over all 4^L policies (L = 4 to 7, 64 random
 # stacks whose layers each draw their saved bytes, offloadable share, inputs and compute,
@@ -154,10 +154,12 @@ class PolicySearch:
         device: str | DeviceProfile = "h100",
         reload_slice_bytes: int | None = None,
         gradient_bytes: int = 0,
+        on_demand: tuple[int, ...] = (),
     ) -> None:
         _check_layers(num_layers)
         self.device = get_profile(device)
         self.slice_bytes = reload_slice_bytes
+        self.on_demand = on_demand  # sliced layers without prefetch
         hazards = list(layer.checkpoint_hazards)
         costs = LayerCosts.of(layer, self.device).per_layer(num_layers)
         if gradient_bytes:  # the peak of a step whose backward allocates the gradients
@@ -199,6 +201,7 @@ class PolicySearch:
         search = cls.__new__(cls)
         search.device = None
         search.slice_bytes = reload_slice_bytes
+        search.on_demand = ()
         hazards = list(hazards) if hazards is not None else [[]] * L
         search._build(
             list(costs), d2h_bytes_per_s, h2d_bytes_per_s, [bool(h) for h in hazards], modules
@@ -227,7 +230,7 @@ class PolicySearch:
         self.modules = None if modules is None else np.array(modules)
         codes = policy_family(len(costs))
         self.codes = codes[self.allowed(codes)]
-        self.results = simulate_many(self.codes, costs, d2h, h2d, self.slice_bytes)
+        self.results = simulate_many(self.codes, costs, d2h, h2d, self.slice_bytes, self.on_demand)
         self.checkpoints = self.checkpointed(self.codes).sum(axis=1)
 
     @staticmethod
@@ -250,7 +253,9 @@ class PolicySearch:
         return ok
 
     def _rank(self, codes: np.ndarray, budget: int, host_cap: int | None) -> np.ndarray:
-        results = simulate_many(codes, self.costs, self.d2h, self.h2d, self.slice_bytes)
+        results = simulate_many(
+            codes, self.costs, self.d2h, self.h2d, self.slice_bytes, self.on_demand
+        )
         return order(
             results.peak_bytes,
             results.step_s,
@@ -294,7 +299,12 @@ class PolicySearch:
             codes = found[int(rank(found)[0])]
         policy = [POLICY_CHOICES[code] for code in codes]
         row = simulate_policy(
-            policy, self.costs, self.d2h, self.h2d, reload_slice_bytes=self.slice_bytes
+            policy,
+            self.costs,
+            self.d2h,
+            self.h2d,
+            reload_slice_bytes=self.slice_bytes,
+            on_demand=self.on_demand,
         )
         binding = ""
         if row.peak_bytes > memory_budget:
@@ -324,6 +334,7 @@ class PolicySearch:
             int(pool_reserve(row.offloaded_bytes)),
             binding,
             reload_slice_bytes=self.slice_bytes,
+            reload_on_demand_layers=tuple(j for j in self.on_demand if policy[j] == OFFLOAD),
         )
 
     def _why(self, row: PlanRow, budget: int) -> str:
@@ -358,15 +369,18 @@ def host_fits(offloaded_bytes: np.ndarray, host_cap: int | None) -> np.ndarray |
     return np.asarray(offloaded_bytes + offloaded_bytes // CLASS_DIVISIONS <= host_cap)
 
 
-def whole_or_sliced(whole: PolicyPlan, sliced: PolicyPlan) -> PolicyPlan:
-    """The plan with whole-layer reloads where it fits; else the one in slices where
-    that fits, or (neither fits) peaks lower.  Where whole layers fit, slices are not
-    taken even when predicted faster: the model times a slice's backward by its bytes,
-    which a backward of elementwise nodes consumes faster than the link brings the
-    next slice (docs/benchmarks.md, "The peers' own code beside ours")."""
-    if whole.fits or sliced.fits:
-        return whole if whole.fits else sliced
-    return sliced if sliced.predicted.peak_bytes < whole.predicted.peak_bytes else whole
+def whole_or_sliced(whole: PolicyPlan, *sliced: PolicyPlan) -> PolicyPlan:
+    """The plan with whole-layer reloads where it fits; else the fastest of those in
+    slices that fits, or (none fits) the one that peaks lowest.  Where whole layers
+    fit, slices are not taken even when predicted faster: a slice's wait depends on
+    when backward first takes from it (NOTE [Timing the slices of a reload])."""
+    if whole.fits:
+        return whole
+    fitting = [plan for plan in sliced if plan.fits]
+    if fitting:
+        return min(fitting, key=lambda plan: plan.predicted.step_s)
+    lowest = min(sliced, key=lambda plan: plan.predicted.peak_bytes)
+    return lowest if lowest.predicted.peak_bytes < whole.predicted.peak_bytes else whole
 
 
 def choose_policy(
@@ -398,7 +412,11 @@ def choose_policy(
             without.
         gradient_bytes: each layer's parameter gradients, where the budget is to cover
             them as backward allocates them (``LayerCosts.gradient_bytes``); 0: the
-            budget is on top of them.
+            budget is on top of them.  With ``reload_slice_bytes``, the plan may then
+            bring layer 0's slices on demand, without prefetch (its
+            ``reload_on_demand_layers``; NOTE [Slices at the peak] in
+            engine/reload_slices.py) where that fits and the prefetch does not (or
+            fits slower: the lower peak may keep more layers).
 
     Example:
         >>> import torch
@@ -416,5 +434,8 @@ def choose_policy(
     whole = search.choose(memory_budget, host_cap)
     if reload_slice_bytes is None:
         return whole
-    search = PolicySearch(layer, num_layers, device, reload_slice_bytes, gradient_bytes)
-    return whole_or_sliced(whole, search.choose(memory_budget, host_cap))
+    plans = [
+        PolicySearch(layer, num_layers, device, reload_slice_bytes, gradient_bytes, on_demand)
+        for on_demand in ([(), (0,)] if gradient_bytes else [()])
+    ]
+    return whole_or_sliced(whole, *(search.choose(memory_budget, host_cap) for search in plans))

@@ -28,20 +28,17 @@ import numpy as np
 
 from ..device.profiles import DeviceProfile
 from ..engine.reload_slices import slice_sources
-from ..engine.schedule import release_point, reload_point, schedule_points
+from ..engine.schedule import schedule_points
 from ..policy.policy import (
-    CHECKPOINT,
-    CHECKPOINT_OFFLOAD,
     CHECKPOINTED,
     KEEP,
     OFFLOAD,
     OFFLOADED,
-    POLICY_CHOICES,
 )
 from .census import LayerProfile
 
 __all__ = ["LayerCosts", "PlanRow", "first_k", "layer_costs", "simulate", "simulate_policy"]
-__all__ += ["Many", "Pop", "policy_bytes", "simulate_many", "slice_sizes", "sliced_backward"]
+__all__ += ["Pop", "policy_bytes", "slice_sizes", "sliced_backward"]
 
 
 @dataclass
@@ -137,16 +134,20 @@ class LayerCosts:
             unpacks=unpack_seconds(layer, device),
         )
 
-    def slices(self, slice_bytes: int | None) -> tuple[list[int], list[Pop]]:
+    def slices(self, slice_bytes: int | None, prefetch: bool = True) -> tuple[list[int], list[Pop]]:
         """The slices an offloaded layer is reloaded in, in backward order, and the
-        steps of its backward (NOTE [Timing the slices of a reload])."""
+        steps of its backward (NOTE [Timing the slices of a reload]); ``prefetch``:
+        False, each slice is issued by its first pop (NOTE [Slices at the peak] in
+        engine/reload_slices.py)."""
         moved = self.offloaded_bytes
+        ahead = 1 if prefetch else 0
         if not self.unpacks or slice_bytes is None or moved <= slice_bytes:
             sizes = slice_sizes(moved, slice_bytes)
             seconds = [self.backward_s * n / moved if moved else 0.0 for n in sizes]
-            pops = [Pop(0.0, (1,) if len(sizes) > 1 else (), 0)]
-            for s in range(1, len(sizes)):
-                pops.append(Pop(seconds[s - 1], (s + 1,) if s + 1 < len(sizes) else (), s))
+            pops = []
+            for s in range(len(sizes)):
+                issues: tuple[int, ...] = (s + ahead,) if 0 < s + ahead < len(sizes) else ()
+                pops.append(Pop(seconds[s - 1] if s else 0.0, issues, s))
             return sizes, pops + [Pop(seconds[-1], (), -1)]
         sources = slice_sources([n for n, _, _ in self.unpacks], slice_bytes)
         sizes = [sum(self.unpacks[i][0] for i in slice) for slice in sources]
@@ -156,7 +157,8 @@ class LayerCosts:
         )
         issued, pops, before = {0}, [], 0.0
         for (at, _), number in firsts:  # a pop issues its slice and the next, if not yet
-            issues = tuple(s for s in (number, number + 1) if s < len(sizes) and s not in issued)
+            wanted = (number, number + ahead)
+            issues = tuple(sorted({s for s in wanted if s < len(sizes) and s not in issued}))
             issued.update(issues)
             pops.append(Pop(max(at - before, 0.0), issues, number))
             before = max(at, before)
@@ -308,6 +310,7 @@ def simulate_policy(
     *,
     log: bool = True,
     reload_slice_bytes: int | None = None,
+    on_demand: Sequence[int] = (),
 ) -> PlanRow:
     """Run the default schedule with a per-layer policy (see :mod:`cpu_offload.policy.policy`):
     the offloaded layers (``offload``, ``checkpoint+offload``) are released and reloaded
@@ -315,7 +318,8 @@ def simulate_policy(
     a checkpointed layer keeps its inputs saved and runs its forward again in backward,
     where its saved activations are back on the device until the layer below runs.
     ``costs`` is one layer's, for a stack of layers alike, or a list of one per layer;
-    ``reload_slice_bytes``: offloaded layers reloaded in slices (:func:`sliced_backward`)."""
+    ``reload_slice_bytes``: offloaded layers reloaded in slices (:func:`sliced_backward`),
+    those of ``on_demand`` without prefetch (they hold one slice, not two)."""
     L = len(policy)
     offloaded = [j for j, choice in enumerate(policy) if choice in OFFLOADED]
     m = len(offloaded)
@@ -384,9 +388,10 @@ def simulate_policy(
             recompute += each[j].recompute
             hold(j, each[j].saved_bytes)
             actions.append(f"recompute {j}")
-        hold(j, resident[j] + sum(slices[j][1:2]))  # and the second slice, if any
+        prefetch = j not in on_demand  # on demand: the slice in use, not the next too
+        hold(j, resident[j] + sum(slices[j][1:2]) * prefetch)  # and the second slice, if any
         whole = [Pop(each[j].backward_s, (), -1)]  # reloaded whole, or not offloaded
-        pops = each[j].slices(reload_slice_bytes)[1] if len(slices[j]) > 1 else whole
+        pops = each[j].slices(reload_slice_bytes, prefetch)[1] if len(slices[j]) > 1 else whole
         compute, copies, wait = sliced_backward(compute, copies, slices[j], pops, h2d_bytes_per_s)
         waited += wait
         note(f"bwd {j}", actions)
@@ -405,109 +410,3 @@ def simulate_policy(
         log=steps,
         recompute_s=recompute,
     )
-
-
-# The model above for many policies at once: a vectorized copy, one row per policy (codes
-# into POLICY_CHOICES), every row run through the same steps with numpy; the policy
-# search (policy_search.py) runs its whole family through it once per stack and device.
-_O, _C, _CO = (POLICY_CHOICES.index(c) for c in (OFFLOAD, CHECKPOINT, CHECKPOINT_OFFLOAD))
-
-
-@dataclass
-class Many:
-    """:func:`simulate_many`'s results, one entry per policy."""
-
-    end_of_forward_bytes: np.ndarray
-    peak_bytes: np.ndarray
-    offloaded_bytes: np.ndarray
-    step_s: np.ndarray
-
-
-def simulate_many(
-    codes: np.ndarray,
-    costs: LayerCosts | Sequence[LayerCosts],
-    d2h_bytes_per_s: float,
-    h2d_bytes_per_s: float,
-    reload_slice_bytes: int | None = None,
-) -> Many:
-    """:func:`simulate_policy` for every row of ``codes`` at once (no log); ``costs`` is
-    one layer's, or one per layer; ``reload_slice_bytes``: offloaded layers reloaded in
-    slices (as ``simulate_policy`` takes it)."""
-    n, L = codes.shape
-    rows = np.arange(n)
-    offloaded = (codes == _O) | (codes == _CO)
-    checkpointed = (codes == _C) | (codes == _CO)
-    m = offloaded.sum(axis=1)
-    by_rank = np.argsort(~offloaded, axis=1, kind="stable")  # offloaded layers first
-    each = layer_costs(costs, L)  # the costs of each position
-
-    def column(name: str, dtype: type = np.int64) -> np.ndarray:
-        return np.array([getattr(c, name) for c in each], dtype=dtype)[None, :]
-
-    saved_bytes, input_bytes = column("saved_bytes"), column("input_bytes")
-    forward_s, backward_s = column("forward_s", np.float64)[0], column("backward_s", np.float64)[0]
-    recompute_s = column("recompute", np.float64)[0]
-    saved = np.where(checkpointed, input_bytes, saved_bytes)
-    moved = np.where(codes == _O, column("offloaded_bytes"), 0)
-    moved += np.where(codes == _CO, column("input_offloaded_bytes"), 0)
-    # per position, the slices an offloaded layer comes back in; what its reload brings
-    timed = [c.slices(reload_slice_bytes) for c in each]
-    slices = [sizes for sizes, _ in timed]
-    first = np.where(codes == _O, np.array([s[0] for s in slices])[None, :], moved)
-    compute, copies = np.zeros(n), np.zeros(n)
-    copy_done, reload_done = np.zeros((n, L)), np.zeros((n, L))
-    total = np.zeros(n, dtype=np.int64)
-    peak = np.zeros(n, dtype=np.int64)
-    for j in range(L):
-        if j >= 1:
-            starts = offloaded[:, j - 1]
-            done = np.maximum(copies, compute) + moved[:, j - 1] / d2h_bytes_per_s
-            copies = np.where(starts, done, copies)
-            copy_done[:, j - 1] = done
-        rank = j - release_point(L, m, 0)  # the offloaded layer released here, if any
-        released = (rank >= 0) & (rank < m)
-        layer = by_rank[rows, np.clip(rank, 0, L - 1)]
-        compute = np.where(released, np.maximum(compute, copy_done[rows, layer]), compute)
-        total -= np.where(released, moved[rows, layer], 0)
-        compute += forward_s[j]
-        total += saved[:, j]
-        np.maximum(peak, total, out=peak)
-    end_of_forward = total.copy()
-    held = np.zeros(n, dtype=np.int64)  # what the layer whose backward ran holds
-    for j in reversed(range(L)):
-        total -= held
-        if j + 1 < L:
-            total += each[j + 1].gradient_bytes
-        rank = j - reload_point(L, m, 0)  # the offloaded layer reloaded here, if any
-        reloaded = (rank >= 0) & (rank < m)
-        layer = by_rank[rows, np.clip(rank, 0, L - 1)]
-        done = np.maximum(copies, compute) + first[rows, layer] / h2d_bytes_per_s
-        copies = np.where(reloaded, done, copies)
-        reload_done[rows, layer] = np.where(reloaded, done, reload_done[rows, layer])
-        total += np.where(reloaded, first[rows, layer], 0)
-        compute = np.where(offloaded[:, j], np.maximum(compute, reload_done[:, j]), compute)
-        compute += np.where(checkpointed[:, j], recompute_s[j], 0.0)
-        total += np.where(checkpointed[:, j], saved_bytes[0, j] - input_bytes[0, j], 0)
-        held = np.full(n, saved_bytes[0, j])
-        sizes = slices[j]
-        if len(sizes) > 1:  # the rows that offload j: the next slice as each is consumed
-            sliced = codes[:, j] == _O
-            extra = sizes[0] + sizes[1] - sum(sizes)  # two slices held, not all of them
-            total += np.where(sliced, sizes[1], 0)
-            held += np.where(sliced, extra, 0)
-            clock, link = compute.copy(), copies.copy()
-            ready = [clock.copy() for _ in sizes]
-            for pop in timed[j][1]:
-                clock += pop.after
-                for number in pop.issues:
-                    link = ready[number] = np.maximum(link, clock) + sizes[number] / h2d_bytes_per_s
-                if pop.wait >= 0:
-                    np.maximum(clock, ready[pop.wait], out=clock)
-            compute = np.where(sliced, clock, compute + backward_s[j])
-            copies = np.where(sliced, link, copies)
-        else:
-            compute += backward_s[j]
-        np.maximum(peak, total, out=peak)
-    total -= held
-    np.maximum(peak, total + each[0].gradient_bytes, out=peak)
-    return Many(end_of_forward, peak, (moved * offloaded).sum(axis=1), compute)

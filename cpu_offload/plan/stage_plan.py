@@ -37,7 +37,7 @@ NOTE [A stage's passes in flight]
     The host holds what every pass moves: ``n`` times the policy's per-pass bytes, or
     ``N`` times them plus ``(n - N) * (whole - stays)``.  Of every candidate the search
     knows and every ``N``, the fastest that fits the budget (and the host cap) is
-    chosen, with the search's own order (``local_search.order``); with one pass in flight
+    chosen, with the search's own order (``many_policies.order``); with one pass in flight
     the search's own answer is the plan.
 """
 
@@ -51,7 +51,7 @@ import numpy as np
 
 from ..engine.host_buffers import pool_reserve
 from ..policy.policy import POLICY_CHOICES
-from .local_search import order
+from .many_policies import order
 from .policy_plan import PolicyPlan
 from .policy_search import PolicySearch, host_fits
 from .schedule_model import PlanRow, simulate_policy

@@ -96,14 +96,20 @@ def test_device_memory_falls_within_an_offloaded_layers_backward(per_tensor, mon
 # ---------------------------------------------- NOTE [Reloading a layer in slices]
 
 
-def two_layers_of_sines(slice_bytes: int | None) -> tuple:
+def two_layers_of_sines(slice_bytes: int | None, on_demand: tuple[int, ...] = ()) -> tuple:
     """Two layers of four sines (1 MiB saved each) on the modeled accelerator, the first
-    offloaded, reloaded whole or in slices of ``slice_bytes``."""
+    offloaded, reloaded whole or in slices of ``slice_bytes`` (on demand in the layers
+    ``on_demand``)."""
     x = torch.empty(MIB // 4, device="meta", requires_grad=True)
     with timed_runtime(DEVICE) as run:
         marks: list = []
         ctx, sync_fn = get_cpu_offload_context(
-            True, 1, 2, min_offload_numel=0, reload_slice_bytes=slice_bytes
+            True,
+            1,
+            2,
+            min_offload_numel=0,
+            reload_slice_bytes=slice_bytes,
+            reload_on_demand_layers=on_demand,
         )
         h = x * 1
         for _ in range(2):
@@ -131,6 +137,32 @@ def test_a_layer_reloaded_in_slices_peaks_lower_than_a_whole_reload():
     layer0 = [m.counted - kept[-1] for _, m in sliced_marks[4:]]
     assert layer0 == [MIB, MIB, MIB, 0]  # the next slice only
     assert whole.peak_bytes - sliced.peak_bytes == MIB
+
+
+def test_a_layer_reloaded_on_demand_holds_no_prefetched_slice():
+    """NOTE [Slices at the peak]: with layer 0 on demand, each of its slices after the
+    first is issued by its own pop, not by the pop before it: as backward reaches each
+    sine's backward, layer 0 holds nothing before the sine pops its tensor (with the
+    prefetch, that tensor is there already), the same bytes move, and the copies it
+    waits for are exposed."""
+    prefetched, prefetched_marks, _ = two_layers_of_sines(MIB)
+    on_demand, marks, stats = two_layers_of_sines(MIB, on_demand=(0,))
+    assert on_demand.h2d_bytes == prefetched.h2d_bytes == 4 * MIB
+    assert stats.tensors_reloaded == 4 and stats.slices_on_demand == 3
+    kept = [m.counted for _, m in marks[:4]][-1]
+    assert [m.counted - kept for _, m in marks[4:]] == [0, 0, 0, 0]  # issued by the pop
+    held = [m.counted - kept for _, m in prefetched_marks[4:]]
+    assert held == [MIB, MIB, MIB, 0]  # the next slice, prefetched
+    assert on_demand.exposed_copy_s > prefetched.exposed_copy_s
+
+
+def test_reload_on_demand_layers_is_checked():
+    with pytest.raises(ValueError, match="needs reload_slice_bytes"):
+        get_cpu_offload_context(True, 1, 2, reload_on_demand_layers=[0])
+    with pytest.raises(ValueError, match=r"layer indices in \[0, 2\), got 2"):
+        get_cpu_offload_context(True, 1, 2, reload_slice_bytes=1, reload_on_demand_layers=[2])
+    with pytest.raises(TypeError, match="a sequence of layer indices, got int 0"):
+        get_cpu_offload_context(True, 1, 2, reload_slice_bytes=1, reload_on_demand_layers=0)
 
 
 def test_a_tensor_unpacked_before_its_slice_gets_its_slice_at_once():

@@ -1384,6 +1384,12 @@ PROGRAMS = {
     "integer indices from nonzero and argsort": Row(integer_indices_from_nonzero),
     "reloaded in slices, one unpacked out of order": Row(reloaded_in_slices(False)),
     "reloaded in slices, retain_graph=True twice": Row(reloaded_in_slices(True)),
+    "reloaded in slices, layer 0 on demand (no prefetch)": Row(
+        reloaded_in_slices(False, reload_on_demand_layers=[0])
+    ),
+    "reloaded in slices, every layer on demand, retain_graph=True twice": Row(
+        reloaded_in_slices(True, reload_on_demand_layers=[0, 1, 2])
+    ),
     "reloaded in slices under max_host_bytes": Row(
         reloaded_in_slices(False, max_host_bytes="4KiB")
     ),

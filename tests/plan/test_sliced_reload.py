@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from cpu_offload.plan.census import LayerProfile
+from cpu_offload.plan.many_policies import simulate_many
 from cpu_offload.plan.policy_search import PolicySearch, choose_policy, policy_family
 from cpu_offload.plan.schedule_model import (
     LayerCosts,
-    simulate_many,
     simulate_policy,
     slice_sizes,
     sliced_backward,
@@ -93,6 +93,24 @@ def test_a_slow_link_exposes_the_slices_the_backward_cannot_hide():
     assert whole.step_s - sliced.step_s == pytest.approx(4.0 - (1.0 + 3 * 0.5))
 
 
+def test_a_layer_on_demand_holds_one_slice_and_waits_for_each():
+    """NOTE [Slices at the peak]: layer 0 on demand holds the slice in use, not the next
+    too (240 bytes less in its backward, where the gradients of both layers are), and
+    at 240 bytes per second waits a second for each slice instead of half a second
+    for the three after the first (issued one slice ahead, consumed in half a second)."""
+    policy = [OFFLOAD, KEEP]
+    prefetched = simulate_policy(policy, costs(500), 1e6, 240.0, reload_slice_bytes=240)
+    on_demand = simulate_policy(
+        policy, costs(500), 1e6, 240.0, reload_slice_bytes=240, on_demand=(0,)
+    )
+    held = {step: nbytes for step, _, nbytes in prefetched.log}
+    held_on_demand = {step: nbytes for step, _, nbytes in on_demand.log}
+    assert held["bwd 0"] - held_on_demand["bwd 0"] == 240
+    assert held["bwd 1"] == held_on_demand["bwd 1"]
+    assert on_demand.step_s - prefetched.step_s == pytest.approx(3 * 1.0 - 3 * 0.5)
+    assert on_demand.offloaded_bytes == prefetched.offloaded_bytes
+
+
 def test_gradients_count_from_the_boundary_below_their_layer():
     row = simulate_policy([KEEP, KEEP], costs(500), 1e6, 1e6)
     steps = {step: held for step, _, held in row.log}
@@ -117,10 +135,13 @@ def test_the_vectorized_model_agrees_with_the_reference():
         codes = policy_family(L)
         slice_bytes = rng.choice([None, 100, 250, 1000])
         d2h, h2d = rng.choice([100, 1e3, 1e4]), rng.choice([100, 1e3, 1e4])
-        many = simulate_many(codes, layer, d2h, h2d, slice_bytes)
+        on_demand = rng.choice([(), (0,), (0, 1)])  # NOTE [Slices at the peak]
+        many = simulate_many(codes, layer, d2h, h2d, slice_bytes, on_demand)
         for index, row in enumerate(codes):
             policy = [POLICY_CHOICES[code] for code in row]
-            one = simulate_policy(policy, layer, d2h, h2d, reload_slice_bytes=slice_bytes)
+            one = simulate_policy(
+                policy, layer, d2h, h2d, reload_slice_bytes=slice_bytes, on_demand=on_demand
+            )
             assert one.peak_bytes == many.peak_bytes[index], (policy, slice_bytes)
             assert one.end_of_forward_bytes == many.end_of_forward_bytes[index]
             assert one.step_s == pytest.approx(float(many.step_s[index]), rel=1e-12)
@@ -141,6 +162,26 @@ def test_the_plan_reloads_in_slices_only_where_the_budget_needs_it():
     assert sliced.fits and sliced.reload_slice_bytes == MIB
     assert sliced.predicted.peak_bytes <= budget and OFFLOAD in sliced.policy
     assert "reloaded in slices of 1.00 MiB" in sliced.line()
+
+
+def test_the_plan_brings_layer_0_on_demand_where_only_that_fits():
+    """NOTE [Slices at the peak]: with gradients counted, the least peak of slices
+    prefetched one ahead is in layer 0's backward; a budget a byte under it is reached
+    with layer 0's slices on demand (one slice held there, not two), and the plan says
+    so; a budget the prefetch fits keeps it (no layer on demand)."""
+    layer = make_layer(saved=64 * MIB, offloaded=60 * MIB, kept=4 * MIB)
+    grads, slices = 16 * MIB, 16 * MIB
+    prefetched = PolicySearch(layer, 8, "h100", slices, grads).choose(0)
+    assert max(prefetched.predicted.log, key=lambda step: step[2])[0] == "bwd 0"
+    budget = prefetched.predicted.peak_bytes - 1
+    plan = functools.partial(
+        choose_policy, layer, 8, "h100", reload_slice_bytes=slices, gradient_bytes=grads
+    )
+    on_demand = plan(memory_budget=budget)
+    assert on_demand.fits and on_demand.predicted.peak_bytes <= budget
+    assert on_demand.reload_on_demand_layers == (0,) and on_demand.policy[0] == OFFLOAD
+    assert "layer 0 on demand" in on_demand.line()
+    assert plan(memory_budget=budget + 1).reload_on_demand_layers == ()
 
 
 def test_a_search_with_gradients_predicts_them():
