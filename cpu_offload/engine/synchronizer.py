@@ -28,7 +28,6 @@ from .offload_engine import OffloadEngine
 from .pass_schedule import PassSchedule, check_keep_passes
 from .schedule import check_offloaded_layers, max_offloaded, schedule_points
 from .transitions import LayerState
-from .weight_pass import arm_second_backward
 
 __all__ = ["DefaultOffloadSynchronizer", "OffloadSynchronizer", "PassRef"]
 
@@ -283,8 +282,6 @@ class OffloadSynchronizer(OffloadEngine):
         forward_pass.previous_bwd_layer = None
         if self._driven_by_hand is forward_pass:
             self._driven_by_hand = None
-        else:  # a graph retained for a second backward (ZB-V's W): its reloads prefetched
-            arm_second_backward(forward_pass)
         self.end_step(forward_pass.step_record())
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:

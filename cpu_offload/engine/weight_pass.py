@@ -8,15 +8,16 @@ NOTE [A backward in two phases]
     ``retain_graph=True``), then later ``W`` (``stage_backward_weight``: a second
     ``autograd.grad``, from the nodes where the weights' paths meet the inputs' path, to
     the weights).  ``W`` unpacks saved tensors again (a linear layer's input, for its
-    weight's gradient), from the last layer down, as any backward does; it passes no
-    layer output, so the pre-hooks ``sync_fn`` registers do not see it.
+    weight's gradient); it passes no layer output, so the pre-hooks ``sync_fn``
+    registers do not see it, and nothing but the unpacks tells where it is.
 
     ``I`` runs as any backward: each layer is reloaded on its schedule and released as
     backward passes it; the graph is retained, so an offloaded layer's host copy stays
     (``release_all_memory``: ``OFFLOAD_FINISHED``) and what was never moved stays on the
-    device with the graph.  As ``I`` ends (``finish_part_of_bwd``), :func:`arm_second_backward`
-    prepares ``W``, the simplest design that keeps the device as it was after ``I``
-    save one layer, and makes no reload wait on demand:
+    device with the graph.  As ``I`` ends (the end-of-backward callback of ``sync_fn``'s
+    hooks, after ``finish_part_of_bwd``), :func:`arm_second_backward` prepares ``W``,
+    the simplest design that keeps the device as it was after ``I`` save one layer, and
+    makes no reload wait on demand:
 
     - the offloaded layers the backward released with the graph alive form a chain,
       in the order torch's ``stage_backward_weight`` unpacks them: it runs one
