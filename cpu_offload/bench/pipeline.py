@@ -173,6 +173,7 @@ def modeled_stage(
                 else:
                     group, waiting = groups.pop(key), list(outputs.values())
                     _weight_gradients(run, chunk, group, name, [x, *params], waiting, held)
+                    del waiting  # the outputs live as long as their passes, not longer
                     del held[key]
         finally:
             for handle in handles:
