@@ -37,26 +37,45 @@ PIPELINE_ORDERS = {
     "one-at-a-time": "F0 B0 F1 B1 F2 B2",
 }
 
+#: emulated orders of one stage with the backward split (zero-bubble schedules, ZB-V):
+#: I<i> micro-batch i's input gradients (torch's ``stage_backward_input``), W<i> its
+#: weight gradients, later (``stage_backward_weight``)
+SPLIT_ORDERS = {
+    "zbv": "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
+    "zbv-cooldown": "F0 F1 I0 F2 I1 W0 I2 W1 W2",
+    "zbv-deferred": "F0 F1 F2 I0 I1 I2 W0 W1 W2",
+    "split-reverse": "F0 F1 F2 I2 W2 I1 I0 W0 W1",
+}
+
 
 def run_pipeline_order(
     layers: nn.ModuleList, order: str, k: int | None, **options: Any
 ) -> tuple[list[torch.Tensor], Any]:
-    """The gradients after one of ``PIPELINE_ORDERS`` on MLP layers of width 32, and the
-    context (None without offload: ``k=None``); ``options`` go to the context."""
+    """The gradients after one of ``PIPELINE_ORDERS`` (or ``SPLIT_ORDERS``) on MLP layers
+    of width 32, and the context (None without offload: ``k=None``); ``options`` go to
+    the context."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
     from cpu_offload import get_cpu_offload_context
 
     layers.zero_grad(set_to_none=True)
     ctx = sync_fn = None
     if k is not None:
         ctx, sync_fn = get_cpu_offload_context(True, k, len(layers), min_offload_numel=0, **options)
-    outputs = {}
+    outputs, inputs, groups = {}, {}, {}
     for step in order.split():
         micro = int(step[1:])
         if step[0] == "F":
-            x = make_input("mlp", 32, torch.float32, seed=micro).requires_grad_()
+            x = inputs[micro] = make_input("mlp", 32, torch.float32, seed=micro).requires_grad_()
             outputs[micro] = forward(layers, x, ctx, sync_fn)
-        else:
+        elif step[0] == "B":
             outputs.pop(micro).square().mean().backward()
+        elif step[0] == "I":  # as torch's zero-bubble schedules split a backward
+            loss = outputs.pop(micro).square().mean()
+            x, params = inputs[micro], layers.parameters()
+            groups[micro] = stage_backward_input([loss], None, [x], params)[1]
+        else:
+            stage_backward_weight(layers.parameters(), groups.pop(micro))
     return [p.grad.clone() for p in layers.parameters()], ctx
 
 

@@ -241,21 +241,12 @@ def _check_pipeline(parser: Parser, args: argparse.Namespace, layers: int) -> No
                 "planner chose for it; --json and --trace hold its figures); leave it out"
             )
     args.schedule = args.schedule or "1f1b"
-    if args.schedule == "zbv":
-        parser.error(
-            "--schedule zbv: not run on the modeled accelerator yet. ZB-V splits each "
-            "backward into input gradients (I) and weight gradients (W, later); the "
-            "offloader releases an offloaded layer after I and reloads it, unprefetched, "
-            "when W needs it again, while the stage model keeps every pass whole until W, "
-            "so the two would not agree (docs/pipeline.md). Plan it with python -m "
-            "cpu_offload.plan ... --schedule zbv, or model 1f1b, gpipe or interleaved"
-        )
     if args.virtual_stages is not None and args.schedule != "interleaved":
         parser.error(
             f"--virtual-stages {args.virtual_stages}: sets the stages per rank of --schedule "
             f"interleaved, not of {args.schedule}"
         )
-    per_rank = (args.virtual_stages or 2) if args.schedule == "interleaved" else 1
+    per_rank = {"interleaved": args.virtual_stages or 2, "zbv": 2}.get(args.schedule, 1)
     error = shape_error(layers, args.pipeline_stages, per_rank, args.schedule, args.microbatches)
     if error:
         parser.error(error)

@@ -12,9 +12,12 @@ NOTE [A pipeline stage on the modeled accelerator]
     (``plan.pipeline.arrivals``), the times the planner uses: the neighbours do not slow
     down with this stage.  Those waits are not copies: the exposed copy time leaves them
     out.  Memory is counted at every layer boundary as ``--simulate`` counts it (the
-    passes' outputs, the hidden state handed on and gradients left out).  ZB-V splits a
-    backward into input and weight gradients, which this run does not: it models the
-    other schedules.
+    passes' outputs, the hidden state handed on and gradients left out).  ZB-V's split
+    backward runs through torch's own functions: ``I`` is ``stage_backward_input``, ``W``
+    ``stage_backward_weight``; ``W`` is marked before each node it starts from (where the
+    weights' paths meet the inputs'), and the gradients ``I`` leaves there for ``W`` are
+    gradients, left out.  The part of a backward ``W`` takes is measured on the same
+    device, from one pass of a stage without offload (:func:`weight_share`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    get_param_groups,
+    stage_backward_input,
+    stage_backward_weight,
+)
 
 from ..device.profiles import get_profile
 from ..layer_hooks import offload_layers
@@ -137,6 +147,8 @@ def modeled_stage(
     if keep_passes is not None:
         options["keep_passes"] = keep_passes
     outputs: dict[tuple[int, int], torch.Tensor] = {}
+    held: dict[tuple[int, int], list[torch.Tensor]] = {}  # I's gradients for W
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
     waited = 0.0
     with timed_runtime(profile, record=record) as run, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # k = L - 1: measured anyway
@@ -150,11 +162,19 @@ def modeled_stage(
                 name = f"{action.kind}{action.microbatch} stage {action.stage}"
                 run.begin(name)
                 key = (action.chunk, action.microbatch)
+                chunk = chunks[action.chunk]
                 if action.kind == "F":
                     grads = [x, *params]  # the input's gradient: sent to the previous stage
-                    outputs[key] = _forward(run, chunks[action.chunk], x, name, outputs, grads)
-                else:
+                    outputs[key] = _forward(run, chunk, x, name, outputs, grads, held)
+                elif action.kind == "B":
                     outputs.pop(key).float().square().mean().backward()
+                elif action.kind == "I":
+                    groups[key] = _input_gradients(outputs.pop(key), x, chunk, key, held)
+                else:
+                    group, waiting = groups.pop(key), list(outputs.values())
+                    _weight_gradients(run, chunk, group, name, [x, *params], waiting, held)
+                    del waiting  # the outputs live as long as their passes, not longer
+                    del held[key]
         finally:
             for handle in handles:
                 handle.remove()
@@ -168,23 +188,116 @@ def _forward(
     name: str,
     outputs: dict[tuple[int, int], torch.Tensor],
     params: list[torch.Tensor],
+    held: dict[tuple[int, int], list[torch.Tensor]],
 ) -> torch.Tensor:
     """One pass's forward with a memory mark at each layer boundary."""
 
     def reached(label: str) -> Callable[[tuple[torch.Tensor, ...]], None]:
         def hook(grad_outputs: tuple[torch.Tensor, ...]) -> None:
-            grads = [p.grad for p in params if p.grad is not None]
-            run.mark(label, [*grad_outputs, *outputs.values(), *grads])
+            left_out = [*grad_outputs, *outputs.values(), *_gradients(params, held)]
+            run.mark(label, left_out)
 
         return hook
 
     h = x.clone()  # the activation received from the previous stage: counted
     for index, layer in enumerate(layers):
         h = layer(h)
-        grads = [p.grad for p in params if p.grad is not None]
-        run.mark(f"{name} forward {index}", [h, *outputs.values(), *grads])
+        run.mark(f"{name} forward {index}", [h, *outputs.values(), *_gradients(params, held)])
         h.grad_fn.register_prehook(reached(f"{name} backward {index}"))
     return h
+
+
+def _gradients(
+    params: list[torch.Tensor], held: dict[tuple[int, int], list[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """The gradients a mark leaves out: the parameters' and those ``I`` left for ``W``."""
+    return [
+        *(p.grad for p in params if p.grad is not None),
+        *(t for tensors in held.values() for t in tensors),
+    ]
+
+
+def _input_gradients(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    layers: torch.nn.Module,
+    key: tuple[int, int],
+    held: dict[tuple[int, int], list[torch.Tensor]],
+) -> list[dict[str, Any]]:
+    """ZB-V's ``I`` of one pass (torch's ``stage_backward_input``, from the gradient of
+    its output as the next stage sends it); ``held[key]`` gets the gradients it leaves
+    for ``W`` as it goes (at the nodes where the weights' paths meet the inputs', found as
+    torch finds them), and while it runs the output and its gradient (left out)."""
+    nodes_of: Any = _get_grad_fn_or_grad_acc
+    weights = [nodes_of(p) for p in layers.parameters()]
+    reverse = construct_reverse_graph([nodes_of(out)])
+    found = get_param_groups([nodes_of(x)], weights, reverse)
+    nodes = {node for group in found for node in group["intermediates"]}
+    grad = torch.ones_like(out)  # the gradient received from the next stage
+    kept = held[key] = [out, grad]
+
+    def keep(grad_inputs: tuple[torch.Tensor | None, ...]) -> None:
+        kept.extend(g for g in grad_inputs if g is not None)
+
+    handles = [node.register_prehook(keep) for node in nodes]
+    try:
+        return stage_backward_input([out], [grad], [x], layers.parameters())[1]
+    finally:
+        for handle in handles:
+            handle.remove()
+        del kept[:2]
+
+
+def _weight_gradients(
+    run: TimedReport,
+    layers: torch.nn.Module,
+    groups: list[dict[str, Any]],
+    name: str,
+    params: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    held: dict[tuple[int, int], list[torch.Tensor]],
+) -> None:
+    """ZB-V's ``W`` of one pass (torch's ``stage_backward_weight``), with a memory mark
+    before each node it starts from; left out: the gradients of ``params`` (the input
+    and the parameters), the ``outputs`` of the passes waiting, and ``held``."""
+
+    def reached(label: str) -> Callable[[tuple[torch.Tensor, ...]], None]:
+        def hook(grad_outputs: tuple[torch.Tensor, ...]) -> None:
+            run.mark(label, [*grad_outputs, *outputs, *_gradients(params, held)])
+
+        return hook
+
+    nodes = [node for group in groups for node in group["intermediates"]]
+    handles = [node.register_prehook(reached(f"{name} {i}")) for i, node in enumerate(nodes)]
+    try:  # a group at a time, as torch runs them (its loop holds a group's weight
+        for group in groups:  # gradients into the next group's: gradients, left out)
+            stage_backward_weight(layers.parameters(), [group])
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def weight_share(layers: torch.nn.ModuleList, x: torch.Tensor, profile: Any) -> float:
+    """The part of a backward of ``layers`` that ZB-V's ``W`` (weight gradients) runs on
+    the modeled ``profile``, from one pass without offload."""
+    with timed_runtime(profile, record=False) as run:
+        runtime: Any = run.live
+
+        def now() -> float:
+            return float(runtime.timeline.now(runtime.compute.clock))
+
+        h = x.clone()
+        for layer in layers:
+            h = layer(h)
+        loss = h.float().square().mean()
+        start = now()
+        groups = stage_backward_input([loss], None, [x], layers.parameters())[1]
+        middle = now()
+        stage_backward_weight(layers.parameters(), groups)
+        end = now()
+    for p in [x, *layers.parameters()]:
+        p.grad = None
+    return (end - middle) / (end - start) if end > start else 0.5
 
 
 def run_pipeline(
@@ -204,16 +317,17 @@ def run_pipeline(
     device = get_profile(profile_name)
     costs = LayerCosts.of(layer, device)
     accumulate_s = gradient_accumulation_s(layers, device)
+    share = weight_share(layers, x, device) if schedule == "zbv" else 0.5
     plan = plan_pipeline(
         costs, config.layers, device.d2h, device.h2d, ranks=ranks, microbatches=microbatches,
         schedule=schedule, virtual_stages=per_rank,
         memory_budget=None if budget is None else int(budget * GIB),
-        accumulate_s=accumulate_s,
+        accumulate_s=accumulate_s, weight_share=share,
     )  # fmt: skip
     orders = rank_orders(schedule, ranks, microbatches, per_rank)
     each = costs.per_layer(per_stage)
     forward_s, backward_s = sum(c.forward_s for c in each), sum(c.backward_s for c in each)
-    ready = arrivals(orders, forward_s, backward_s, accumulate_s)
+    ready = arrivals(orders, forward_s, backward_s, accumulate_s, share)
     chunks = [layers] + [stack_of(stage_config)[0] for _ in range(per_rank - 1)]
     stages = []
     for stage in plan.stages:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..hooks.eager import eager
+from .weight_pass import arm_second_backward
 
 if TYPE_CHECKING:
     from .forward_pass import ForwardPass, GraphToken
@@ -60,3 +61,5 @@ class BackwardHook:
 
     def finish(self) -> None:
         self.synchronizer.finish_part_of_bwd(self.forward_pass)
+        # a graph retained for a second backward (ZB-V's W): NOTE in weight_pass.py
+        arm_second_backward(self.forward_pass)

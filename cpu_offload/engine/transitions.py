@@ -268,6 +268,12 @@ class LayerTransitions:
             return self.saves
         return self.saves.with_not_copied(len(data.pushed), pushed_bytes(data))
 
+    @property
+    def backward_done(self) -> bool:
+        """Whether a backward released the layer while its graph may still unpack it
+        (``retain_graph=True``: the host copy stays for a second backward)."""
+        return self._backward_done
+
     def holds_data(self) -> bool:
         """Whether a push cycle's data is alive: handles autograd may still unpack, or
         tensors pushed by hand."""

@@ -16,8 +16,8 @@ NOTE [Pipeline schedules as orders of actions]
     forward ran and whose backward has not finished; with several stages per rank (the
     interleaved schedule, ZB-V) each stage's pass counts apart (a pass of that stage's
     layers).  In ZB-V the backward is split in two, ``I`` (input gradients) and ``W``
-    (weight gradients): the pass keeps everything it saved until ``W`` (``W`` reads the
-    layers' inputs) and each half takes half the backward's time.
+    (weight gradients, ``weight_share`` of the backward's time: half unless measured):
+    the pass stays in flight until ``W``.
 
 NOTE [The stage model]
     Each rank runs its order of actions on one compute stream; an action starts when the
@@ -44,6 +44,13 @@ NOTE [The stage model]
     copies to the host hide behind the other passes' compute (a pass ``p`` places behind
     the oldest waits about ``in_flight - p`` micro-batch slots for its backward), its
     reloads behind the older pass's backward and its own layers' backwards.
+
+    ZB-V's ``I`` runs as a backward of the pass's policy; as it ends, the reload of the
+    first layer ``W`` needs starts (the first of the pass's moved layers: torch's ``W``
+    goes from the first layer up), and in ``W`` the first unpack of a moved layer starts
+    the next one's reload and waits for its own (NOTE [A backward in two phases] in
+    ``engine/weight_pass.py``): ``W`` reloads everything the pass moved a second time,
+    its first layer exposed where ``W`` follows ``I`` at once.
 
     The stage's peak is the model of NOTE [A stage's passes in flight] in
     ``stage_plan.py`` (:func:`stage_peak`), walked over the rank's order: memory moves
@@ -216,14 +223,20 @@ def in_flight(order: Sequence[Action]) -> int:
 
 
 def durations(
-    action: Action, forward_s: float, backward_s: float, accumulate_s: float = 0.0
+    action: Action,
+    forward_s: float,
+    backward_s: float,
+    accumulate_s: float = 0.0,
+    weight_share: float = 0.5,
 ) -> float:
     """An action's compute time, from its stage's forward and backward, and the time to
-    add its gradients to those of the micro-batches before (the first's are stored)."""
+    add its gradients to those of the micro-batches before (the first's are stored);
+    ``weight_share``: the part of a backward ZB-V's ``W`` runs (the rest is ``I``)."""
     if action.kind == FORWARD:
         return forward_s
     added = accumulate_s if action.microbatch > 0 and action.kind != INPUT else 0.0
-    return (backward_s if action.kind == BACKWARD else backward_s / 2) + added
+    share = {BACKWARD: 1.0, INPUT: 1 - weight_share, WEIGHT: weight_share}[action.kind]
+    return backward_s * share + added
 
 
 def gradient_accumulation_s(layer: Any, device: DeviceProfile) -> float:
@@ -241,10 +254,12 @@ def arrivals(
     forward_s: float,
     backward_s: float,
     accumulate_s: float = 0.0,
+    weight_share: float = 0.5,
 ) -> list[list[float]]:
     """When each action's input arrives, in the schedule without offload (NOTE [The
     stage model]): per rank, one time per action of its order (0 where it needs none).
-    ``accumulate_s``: a stage's time to add a micro-batch's gradients (after the first)."""
+    ``accumulate_s``: a stage's time to add a micro-batch's gradients (after the first);
+    ``weight_share``: the part of a backward ZB-V's ``W`` runs."""
     last_stage = max(a.stage for order in orders for a in order)
     ends: dict[tuple[str, int, int], float] = {}
     ready: list[list[float]] = [[0.0] * len(order) for order in orders]
@@ -261,7 +276,9 @@ def arrivals(
                 arrival = ends[need] if need is not None else 0.0
                 ready[rank][position[rank]] = arrival
                 start = max(clock[rank], arrival)
-                clock[rank] = start + durations(action, forward_s, backward_s, accumulate_s)
+                clock[rank] = start + durations(
+                    action, forward_s, backward_s, accumulate_s, weight_share
+                )
                 kind = BACKWARD if action.kind == INPUT else action.kind
                 ends[(kind, action.microbatch, action.stage)] = clock[rank]
                 position[rank] += 1
@@ -324,12 +341,14 @@ class StageRow:
 class _Pass:
     """One pass's copies in flight."""
 
-    def __init__(self, layers: int, whole: bool, policy: list[str]) -> None:
+    def __init__(self, costs: list[LayerCosts], whole: bool, policy: list[str]) -> None:
         self.whole = whole
         self.copy_done: dict[int, float] = {}
         self.reload_done: dict[int, float] = {}
         offloaded = [j for j, c in enumerate(policy) if c != "keep"]
-        self.points = {} if whole else schedule_points(layers, offloaded)
+        self.points = {} if whole else schedule_points(len(costs), offloaded)
+        #: the layers ZB-V's W reloads, in its order (NOTE [A backward in two phases])
+        self.chain = weight_chain(costs, whole, offloaded)
         self.back = False  # a whole pass: its last layer's reload has started
         self.started = False  # its backward has started
 
@@ -373,16 +392,51 @@ class _Stage:
         state.reload_done[layer] = self.copy(chunk, "h2d", nbytes)
 
 
+def weight_chain(costs: Sequence[LayerCosts], whole: bool, offloaded: Sequence[int]) -> list[int]:
+    """The layers a pass's ``W`` (ZB-V) reloads, in the order torch's
+    ``stage_backward_weight`` unpacks them: from the first up (NOTE [A backward in two
+    phases] in engine/weight_pass.py)."""
+    moved = range(len(costs)) if whole else offloaded
+    return [j for j in moved if costs[j].offloaded_bytes > 0]
+
+
+def split_bytes(
+    retained: Sequence[int], during: Sequence[int], chain: Sequence[int], moved: Sequence[int]
+) -> tuple[int, int, int]:
+    """What a pass holds in ZB-V's split backward: the most during ``I`` (at layer ``j``
+    what the backward holds there, ``during[j]``, beside what the retained graph keeps of
+    the layers above, ``retained``), from ``I``'s end to ``W`` (``retained`` and ``W``'s
+    first layer) and the most during ``W`` (two layers of its chain)."""
+    above = [sum(retained[j + 1 :]) for j in range(len(retained))]
+    input_peak = max(held + rest for held, rest in zip(during, above, strict=True))
+    base = sum(retained)
+    pairs = [moved[a] + moved[b] for a, b in zip(chain, chain[1:])]
+    first = moved[chain[0]] if chain else 0
+    return input_peak, base + first, base + max(pairs, default=first)
+
+
 def stage_passes(
     costs: Sequence[LayerCosts], policy: StagePolicy, d2h: float, h2d: float
 ) -> tuple[Any, Any]:
     """What a pass of ``policy``'s kept passes and of its passes moved whole holds in each
     phase (:class:`~cpu_offload.plan.stage_plan.PassBytes`), for :func:`stage_peak`."""
     each = list(costs)
-    row = simulate_policy(first_k(len(each), policy.k), each, d2h, h2d)
+    layer_policy = first_k(len(each), policy.k)
+    row = simulate_policy(layer_policy, each, d2h, h2d)
     whole = [c.saved_bytes for c in each]
+    moved = [c.offloaded_bytes for c in each]
     stays = [c.saved_bytes - c.offloaded_bytes for c in each]
-    return kept_pass(row, sum(whole)), moved_pass(whole, stays)
+    offloaded = [j for j, c in enumerate(layer_policy) if c != "keep"]
+    retained = [stays[j] if j in offloaded else whole[j] for j in range(len(each))]
+    during = [held for step, _, held in row.log if step.startswith("bwd")][::-1]
+    chain = weight_chain(each, False, offloaded)
+    kept = kept_pass(row, *split_bytes(retained, during, chain, moved))
+    at = [
+        sum(stays[: max(j - 1, 0)]) + whole[j] + (whole[j - 1] if j >= 1 else 0)
+        for j in range(len(each))
+    ]
+    split = split_bytes(stays, at, weight_chain(each, True, []), moved)
+    return kept, moved_pass(whole, stays, split)
 
 
 def simulate_stage(
@@ -394,11 +448,13 @@ def simulate_stage(
     d2h_bytes_per_s: float,
     h2d_bytes_per_s: float,
     accumulate_s: float = 0.0,
+    weight_share: float = 0.5,
 ) -> StageRow:
     """Run one rank's ``order`` of actions (each waiting for its input's arrival,
     ``ready``) with ``policy`` on each of its stages of ``layers`` layers (NOTE [The stage
-    model]); ``accumulate_s``: the stage's time to add a micro-batch's gradients.  Its
-    peak is :func:`~cpu_offload.plan.stage_plan.stage_peak`'s."""
+    model]); ``accumulate_s``: the stage's time to add a micro-batch's gradients;
+    ``weight_share``: the part of a backward ZB-V's ``W`` runs.  Its peak is
+    :func:`~cpu_offload.plan.stage_plan.stage_peak`'s."""
     each = costs.per_layer(layers) if isinstance(costs, LayerCosts) else list(costs)
     run = _Stage(each, d2h_bytes_per_s, h2d_bytes_per_s)
     layer_policy = first_k(layers, policy.k)
@@ -413,19 +469,22 @@ def simulate_stage(
             waiting = _waiting(passes, action.chunk, key)
             whole = policy.keep_passes is not None and len(waiting) >= policy.keep_passes
             whole_count += whole
-            passes[key] = _Pass(layers, whole, layer_policy)
+            passes[key] = _Pass(each, whole, layer_policy)
             _forward(run, passes[key], action)
         elif action.kind == WEIGHT:
-            run.compute += sum(c.backward_s for c in each) / 2
+            _weight(run, passes.pop(key), action, weight_share)
             run.compute += accumulate_s if action.microbatch > 0 else 0.0
-            del passes[key]
         else:
             passes[key].started = True
             _backward_starts(run, passes, key, action.chunk, policy.keep_passes)
-            _backward(run, passes[key], action)
+            share = 1.0 if action.kind == BACKWARD else 1 - weight_share
+            _backward(run, passes[key], action, share)
             if action.kind == BACKWARD:
                 run.compute += accumulate_s if action.microbatch > 0 else 0.0
                 del passes[key]
+            elif passes[key].chain:  # I ends: W's first layer comes back
+                passes[key].reload_done = {}
+                run.reload(passes[key], action.chunk, passes[key].chain[0])
     kept, moved = stage_passes(each, policy, d2h_bytes_per_s, h2d_bytes_per_s)
     return StageRow(
         peak_bytes=int(stage_peak(order, kept, moved, policy.keep_passes)),
@@ -484,12 +543,11 @@ def _backward_starts(
             run.reload(state, chunk, len(run.costs) - 1)
 
 
-def _backward(run: _Stage, state: _Pass, action: Action) -> None:
-    """One pass's backward (ZB-V's ``I``: everything stays until ``W``); a pass moved whole
-    starts the reload of layer ``j - 1`` as its backward reaches layer ``j``."""
+def _backward(run: _Stage, state: _Pass, action: Action, share: float = 1.0) -> None:
+    """One pass's backward (ZB-V's ``I``: ``share`` of it); a pass moved whole starts the
+    reload of layer ``j - 1`` as its backward reaches layer ``j``."""
     each, L = run.costs, len(run.costs)
     reloaded_at = {reload: layer for layer, (_, reload) in state.points.items()}
-    split = action.kind == INPUT
     for j in reversed(range(L)):
         if state.whole and j >= 1:
             run.reload(state, action.chunk, j - 1)
@@ -497,7 +555,20 @@ def _backward(run: _Stage, state: _Pass, action: Action) -> None:
             run.reload(state, action.chunk, reloaded_at[j])
         if j in state.reload_done:
             run.wait_for(state.reload_done[j])
-        run.compute += each[j].backward_s / (2 if split else 1)
+        run.compute += each[j].backward_s * share
+
+
+def _weight(run: _Stage, state: _Pass, action: Action, share: float) -> None:
+    """ZB-V's ``W`` of one pass, from its first layer up: the first unpack of a layer of
+    its chain starts the next one's reload, and waits for its own (NOTE [A backward in
+    two phases] in engine/weight_pass.py)."""
+    following = dict(zip(state.chain, state.chain[1:]))
+    for j, costs in enumerate(run.costs):
+        if j in state.chain:
+            if j in following:
+                run.reload(state, action.chunk, following[j])
+            run.wait_for(state.reload_done[j])
+        run.compute += costs.backward_s * share
 
 
 @dataclass
@@ -607,11 +678,13 @@ def plan_pipeline(
     overhead_budget: float = 0.02,
     pass_offload: bool = True,
     accumulate_s: float = 0.0,
+    weight_share: float = 0.5,
 ) -> PipelinePlan:
     """Plan every stage of ``num_layers`` layers split evenly over ``ranks`` (times the
     stages per rank), for ``schedule``'s order (NOTE [The stage model]); without
     ``pass_offload``, the per-layer policies only (no ``keep_passes``); ``accumulate_s``:
-    a stage's time to add a micro-batch's gradients (:func:`gradient_accumulation_s`)."""
+    a stage's time to add a micro-batch's gradients (:func:`gradient_accumulation_s`);
+    ``weight_share``: the part of a backward ZB-V's ``W`` runs (the rest is ``I``)."""
     virtual = {"interleaved": virtual_stages, "zbv": 2}.get(schedule, 1)
     if num_layers % (ranks * virtual):
         raise ValueError(
@@ -622,7 +695,7 @@ def plan_pipeline(
     orders = rank_orders(schedule, ranks, microbatches, virtual_stages)
     each = costs.per_layer(layers)
     forward_s, backward_s = sum(c.forward_s for c in each), sum(c.backward_s for c in each)
-    ready = arrivals(orders, forward_s, backward_s, accumulate_s)
+    ready = arrivals(orders, forward_s, backward_s, accumulate_s, weight_share)
     stages = []
     for rank, order in enumerate(orders):
         count = in_flight(order)
@@ -636,6 +709,7 @@ def plan_pipeline(
                 d2h_bytes_per_s,
                 h2d_bytes_per_s,
                 accumulate_s,
+                weight_share,
             )  # fmt: skip
             for policy in candidates(layers, count if pass_offload else 1)
         }

@@ -21,8 +21,11 @@ NOTE [A stage's passes in flight]
       backward starts and its place in the queue drops below ``N``), its last layer
       whole too; in its backward, at layer ``j``, layers ``j`` and ``j - 1`` whole
       (``j - 1`` being reloaded) beside ``stays`` below.
-    - ZB-V's ``I`` brings every layer back and releases nothing: from its end to ``W``
-      the pass holds everything it saved.
+    - ZB-V's split backward (NOTE [A backward in two phases] in engine/weight_pass.py):
+      ``I`` runs as a backward of the pass's policy, but the retained graph keeps what
+      stays of the layers it passed; from its end to ``W`` the pass holds what stays
+      and the first layer ``W`` reloads; in ``W``, two layers of what it moved at most
+      (one reloaded, the next reloading) beside what stays.
 
     The planner per stage walks each rank's own order; inside a stage, where only the
     passes in flight are measured, the walk is of the order that holds them longest (all
@@ -102,7 +105,9 @@ class PassBytes:
         waiting: while it waits for its backward.
         back: while it waits, brought back (a moved pass: its last layer reloaded).
         backward: the most during its backward.
-        split: from the end of ZB-V's ``I`` to its ``W``: everything it saved.
+        split: from the end of ZB-V's ``I`` to its ``W``.
+        input: the most during ZB-V's ``I`` (its backward, the graph retained).
+        weight: the most during ZB-V's ``W``.
     """
 
     forward: Any
@@ -110,20 +115,24 @@ class PassBytes:
     back: Any
     backward: Any
     split: Any
+    input: Any = None
+    weight: Any = None
 
 
-def kept_pass(row: PlanRow, split: Any) -> PassBytes:
+def kept_pass(row: PlanRow, input: Any = None, split: Any = None, weight: Any = None) -> PassBytes:
     """A pass that keeps a per-layer policy, from the event model's row of one pass
-    (:func:`simulate_policy` with its log); ``split``: every byte it saved."""
+    (:func:`simulate_policy` with its log); ``input``, ``split``, ``weight``: what it
+    holds in ZB-V's split backward (``pipeline.split_bytes``)."""
     forward = max((held for step, _, held in row.log if step.startswith("fwd")), default=0)
     backward = max((held for step, _, held in row.log if step.startswith("bwd")), default=0)
     eof = row.end_of_forward_bytes
-    return PassBytes(forward, eof, eof, backward, split)
+    return PassBytes(forward, eof, eof, backward, split, input, weight)
 
 
-def moved_pass(whole: Any, stays: Any) -> PassBytes:
+def moved_pass(whole: Any, stays: Any, split: tuple[Any, Any, Any] | None = None) -> PassBytes:
     """A pass moved whole, from each layer's ``whole`` and ``stays`` bytes (one row per
-    layer's bytes, or one row per candidate policy and a column per layer)."""
+    layer's bytes, or one row per candidate policy and a column per layer); ``split``:
+    what it holds in ZB-V's split backward (``input``, ``split``, ``weight``)."""
     whole, stays = np.atleast_2d(whole), np.atleast_2d(stays)
     layers = whole.shape[1]
     below = np.concatenate([np.zeros_like(stays[:, :1]), np.cumsum(stays, axis=1)], axis=1)
@@ -136,8 +145,15 @@ def moved_pass(whole: Any, stays: Any) -> PassBytes:
     backward = np.max(np.stack(at), axis=0)
     back = below[:, layers] - stays[:, -1] + whole[:, -1]
     squeeze = (lambda x: x) if whole.shape[0] > 1 else (lambda x: int(x[0]))
+    input, held, weight = split if split is not None else (None, None, None)
     return PassBytes(
-        *(squeeze(x) for x in (forward, below[:, layers], back, backward, whole.sum(axis=1)))
+        squeeze(forward),
+        squeeze(below[:, layers]),
+        squeeze(back),
+        squeeze(backward),
+        split=held,
+        input=input,
+        weight=weight,
     )
 
 
@@ -169,7 +185,9 @@ def stage_peak(
             peak = np.maximum(peak, sum(p.held for p in passes.values()) + own.forward)
             passes[key] = _Held(whole, own.waiting)
         elif action.kind == WEIGHT:
-            del passes[key]
+            state = passes.pop(key)
+            own = moved if state.whole else kept
+            peak = np.maximum(peak, sum(p.held for p in passes.values()) + own.weight)
         else:
             state = passes[key]
             state.started, state.held = True, 0
@@ -177,7 +195,7 @@ def stage_peak(
                 if other.whole and not other.back:
                     other.back, other.held = True, moved.back
             own = moved if state.whole else kept
-            during = own.split if action.kind == INPUT else own.backward
+            during = own.input if action.kind == INPUT else own.backward
             peak = np.maximum(peak, sum(p.held for p in passes.values()) + during)
             if action.kind == INPUT:
                 state.held = own.split
@@ -212,7 +230,7 @@ def stage_rows(
     exposed += np.maximum(reloads[:, :-1] - behind[:, :-1], 0.0).sum(axis=1)
     peak = results.peak_bytes
     per_layer = PassBytes(
-        peak, results.end_of_forward_bytes, results.end_of_forward_bytes, peak, whole.sum(1)
+        peak, results.end_of_forward_bytes, results.end_of_forward_bytes, peak, None
     )
     moved_whole = moved_pass(whole, stays)
     fifo = fifo_order(n)

@@ -71,11 +71,6 @@ def test_every_stage_modeled_and_predicted_agree(tmp_path, capsys):
             "--virtual-stages 2: sets the stages per rank of --schedule interleaved",
         ),
         (
-            [*SMALL, "--pipeline-stages", "2", "--microbatches", "4", "--schedule", "zbv"],
-            "--schedule zbv: not run on the modeled accelerator yet. ZB-V splits each "
-            "backward into input gradients (I) and weight gradients (W, later)",
-        ),
-        (
             [*SMALL, "--pipeline-stages", "2", "--microbatches", "4", "--offload", "1"],
             "--offload: not taken with --pipeline-stages",
         ),
@@ -85,7 +80,6 @@ def test_every_stage_modeled_and_predicted_agree(tmp_path, capsys):
         "no-microbatches",
         "uneven",
         "virtual-without-interleaved",
-        "zbv",
         "offload",
     ],
 )
@@ -93,6 +87,29 @@ def test_pipeline_flags_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_zbv_splits_each_backward_and_prefetches_the_weight_gradients_reloads(tmp_path):
+    """ZB-V over 2 ranks of 2 stages of 2 Llama-3-8B layers, 4 micro-batches, 0.6 GiB: each
+    backward runs as torch's I (stage_backward_input) then W (stage_backward_weight);
+    the offloader reloads what W unpacks, prefetched a layer ahead (NOTE [A backward in
+    two phases] in engine/weight_pass.py), and the stage model agrees within 3% (step)
+    and 2% (peak) on every rank."""
+    paths = {name: tmp_path / name for name in ("pipe.json", "trace.json")}
+    argv = [*SMALL[:2], "--layers", "8", *SMALL[4:], "--pipeline-stages", "2"]
+    argv += ["--microbatches", "4", "--schedule", "zbv", "--memory-budget", "0.6"]
+    argv += ["--json", str(paths["pipe.json"]), "--trace", str(paths["trace.json"])]
+    assert main(argv) == 0
+    stages = json.loads(paths["pipe.json"].read_text())["pipeline"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    for stage in stages:
+        assert stage["modeled_step_s"] == pytest.approx(stage["predicted_step_s"], rel=0.03)
+        assert stage["modeled_peak_bytes"] == pytest.approx(stage["predicted_peak_bytes"], rel=0.02)
+        assert stage["modeled_d2h_bytes"] == stage["predicted_offloaded_bytes"] > 0
+    events = json.loads(paths["trace.json"].read_text())["traceEvents"]
+    slices = [e["name"] for e in events if e["ph"] == "X"]
+    # a pass moved whole: W's second layer comes back while W computes its first
+    assert any(name.startswith("H2D W") for name in slices)
 
 
 def test_passes_moved_whole_come_back_behind_an_older_pass_backward(tmp_path):

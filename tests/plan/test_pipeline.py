@@ -202,6 +202,27 @@ def test_zbv_keeps_a_pass_until_its_weight_gradients():
         assert row.step_s == pytest.approx(row.waited_s + 2.0 * len(order))  # 2 s each
 
 
+def test_zbv_weight_gradients_reload_what_the_pass_moved():
+    """ZB-V's W reads the saved tensors again: the offloaded layer comes back a second
+    time, its reload started as I ends, and W waits for it (NOTE [A backward in two
+    phases] in engine/weight_pass.py). Two layers of 100 bytes, 1 s forward, 2 s
+    backward, 100 B/s: F 0-3 (1 s waiting for layer 0's copy), I 3-6 (1 s waiting for
+    its reload), W's reload 6-7, W 7-9."""
+    from cpu_offload.plan.stage_plan import Action
+
+    order = [Action(kind, 0, 0, 0) for kind in ("F", "I", "W")]
+    row = simulate_stage(order, [0.0] * 3, _costs(), 2, StagePolicy(1), 100.0, 100.0)
+    assert row.step_s == pytest.approx(9.0)
+    assert row.exposed_copy_s == pytest.approx(3.0)
+    assert row.offloaded_bytes == 100
+    assert row.peak_bytes == 200  # layer 1 retained beside layer 0 reloaded
+    # W a quarter of the backward: I 3-7 (1.5 s a layer), W's reload 7-8, W 8-9
+    quarter = simulate_stage(order, [0.0] * 3, _costs(), 2, StagePolicy(1), 100, 100, 0.0, 0.25)
+    assert quarter.step_s == pytest.approx(9.0) and quarter.exposed_copy_s == pytest.approx(3.0)
+    fast = simulate_stage(order, [0.0] * 3, _costs(), 2, StagePolicy(1), 1e9, 1e9, 0.0, 0.25)
+    assert fast.step_s == pytest.approx(2.0 + 3.0 + 1.0, abs=1e-3)  # the copies hidden
+
+
 def test_the_planner_and_a_budget_inside_a_stage_share_one_model_of_its_peak():
     """GPipe's 8 passes of 2 layers of 4 MiB that nothing can shrink, every pass kept or
     one kept and 7 moved whole: the planner per stage (its rank's order) and a memory

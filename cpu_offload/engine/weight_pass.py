@@ -1,0 +1,115 @@
+"""A backward in two phases (zero-bubble schedules: ZB-V): the weight gradients' reloads,
+prefetched in their order.
+
+NOTE [A backward in two phases]
+    Zero-bubble pipeline schedules (``torch.distributed.pipelining``'s
+    ``ScheduleZBVZeroBubble``) split a pass's backward in two: ``I``
+    (``stage_backward_input``: ``autograd.grad`` to the stage's inputs, with
+    ``retain_graph=True``), then later ``W`` (``stage_backward_weight``: a second
+    ``autograd.grad``, from the nodes where the weights' paths meet the inputs' path, to
+    the weights).  ``W`` unpacks saved tensors again (a linear layer's input, for its
+    weight's gradient); it passes no layer output, so the pre-hooks ``sync_fn``
+    registers do not see it, and nothing but the unpacks tells where it is.
+
+    ``I`` runs as any backward: each layer is reloaded on its schedule and released as
+    backward passes it; the graph is retained, so an offloaded layer's host copy stays
+    (``release_all_memory``: ``OFFLOAD_FINISHED``) and what was never moved stays on the
+    device with the graph.  As ``I`` ends (the end-of-backward callback of ``sync_fn``'s
+    hooks, after ``finish_part_of_bwd``), :func:`arm_second_backward` prepares ``W``,
+    the simplest design that keeps the device as it was after ``I`` save one layer, and
+    makes no reload wait on demand:
+
+    - the offloaded layers the backward released with the graph alive form a chain,
+      in the order torch's ``stage_backward_weight`` unpacks them: it runs one
+      ``autograd.grad`` per group of parameters, in the order of ``parameters()``, so
+      from the first layer up.  The first one's reload starts now (it waits on the
+      device, with the pass's kept layers, for ``W``);
+    - the first unpack of a chain layer (its first node of ``W``) releases the chain
+      layer unpacked before it (its device tensors; the host copy stays while the graph
+      may unpack it) and starts the reload of the next one in the direction ``W`` goes
+      (up, until a first unpack below the last one says down): ``W`` at layer ``j``
+      holds layers ``j`` and ``j + 1`` of what was offloaded, as a pass moved whole
+      holds two layers in its backward, and the reload of ``j + 1`` runs behind the
+      weight gradients of ``j``;
+    - the last layer of the chain goes with the graph, when ``W`` drops it.
+
+    What ``W`` reloads is each layer's whole host copy (the state machine moves a layer
+    at once), also what only ``I`` needed.  Keeping on the device from ``I`` to ``W``
+    what only ``W`` needs would need to know which saved tensors ``W`` unpacks, which a
+    pack hook cannot; and ``W`` reads most of a transformer layer's activations (every
+    linear layer's input), so it would keep most of the pass.  A second full backward
+    with ``retain_graph=True`` (not ``W``) runs through the same chain: its own schedule
+    finds the first layer already reloading, and the rest as before.  The stage model of
+    it is ``plan/stage_plan.py``'s (NOTE [A stage's passes in flight]) and
+    ``plan/pipeline.py``'s (NOTE [The stage model]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .transitions import LayerState
+
+if TYPE_CHECKING:
+    from .forward_pass import ForwardPass
+    from .layer_state import OffloadableLayerState
+
+__all__ = ["arm_second_backward", "second_backward_chain"]
+
+
+def second_backward_chain(forward_pass: ForwardPass) -> list[OffloadableLayerState]:
+    """The pass's layers a backward released with the graph alive (host copy held,
+    device tensors gone), from the first up: what a second backward reloads."""
+    chain = []
+    for layer in range(forward_pass.model_layers):
+        state = forward_pass.made_state(layer)
+        if (
+            state is not None
+            and state.state is LayerState.OFFLOAD_FINISHED
+            and state.backward_done
+            and state.holds_data()
+        ):
+            chain.append(state)
+    return chain
+
+
+def arm_second_backward(forward_pass: ForwardPass) -> None:
+    """A backward of ``forward_pass`` ended with its graph retained: start the reload of
+    the first layer a second backward (ZB-V's ``W``) needs and chain the others to the
+    first unpacks (NOTE [A backward in two phases])."""
+    chain = second_backward_chain(forward_pass)
+    if not chain:
+        return
+    chain[0].start_reload()
+    walk = _Walk(chain)
+    for position, state in enumerate(chain):
+        state.on_first_pop = walk.callback(position, state.on_first_pop)
+
+
+class _Walk:
+    """A second backward's way along the chain (NOTE [A backward in two phases])."""
+
+    def __init__(self, chain: list[OffloadableLayerState]) -> None:
+        self.chain = chain
+        self.last: int | None = None  # the chain layer unpacked last
+
+    def callback(self, position: int, before: Callable[[], None] | None) -> Callable[[], None]:
+        def first_pop() -> None:
+            if before is not None:
+                before()
+            self.reached(position)
+
+        return first_pop
+
+    def reached(self, position: int) -> None:
+        """The first unpack of the chain's ``position``-th layer: release the one
+        unpacked before, reload the next one on the way."""
+        chain, last = self.chain, self.last
+        step = 1 if last is None or position > last else -1
+        if last is not None and chain[last].state is not LayerState.NOT_OFFLOADED:
+            chain[last].release_all_memory()
+        self.last = position
+        following = position + step
+        if 0 <= following < len(chain) and chain[following].state is LayerState.OFFLOAD_FINISHED:
+            chain[following].start_reload()
