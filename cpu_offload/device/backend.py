@@ -63,11 +63,14 @@ class DeviceBackend:
         pin_memory: whether host buffers are page-locked.
         one_stream: whether the current stream is always the same (its key None):
             nothing asks which it is per saved tensor.
+        one_memory: whether device tensors are host tensors and copies run at once
+            (the host backend): a reload clones each host copy, one call per tensor.
     """
 
     device: torch.device
     pin_memory: bool = False
     one_stream = False
+    one_memory = False
 
     @property
     def device_type(self) -> str:
@@ -225,6 +228,7 @@ class HostBackend(DeviceBackend):
     """
 
     one_stream = True
+    one_memory = True
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")

@@ -65,6 +65,7 @@ NOT_WAITED = object()
 #: per device, the empty tensor whose (absent) memory version keepers point at
 _NO_MEMORY: dict[torch.device, torch.Tensor] = {}
 _grad_enabled = torch.is_grad_enabled
+_clone = torch.Tensor.clone
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
@@ -325,16 +326,20 @@ class LayerData:
 
     def _copy_in(self, layer: CopyingLayer) -> None:
         backend, stream = layer.backend, layer.offload_stream
-        if self.stay:
-            targets = [
-                backend.empty_device(host) if host is not None else cast(torch.Tensor, kept)
-                for host, kept in zip(self.host, self.stay)
-            ]
+        if backend.one_memory and not self.stay and layer.copy_timer is None:  # clone
+            targets = list(map(_clone, cast(list, self.host)))
+            layer.stats.count("h2d", len(targets), self.host_bytes)
         else:
-            targets = backend.empty_device_many(self.layouts, cast(list, self.host))
-        backend.wait_stream(stream, backend.current_stream())
-        hosts, reloaded = _with_host(self, targets)
-        copy_timed(layer, "h2d", reloaded, hosts, self.host_bytes)
+            if self.stay:
+                targets = [
+                    backend.empty_device(host) if host is not None else cast(torch.Tensor, kept)
+                    for host, kept in zip(self.host, self.stay)
+                ]
+            else:
+                targets = backend.empty_device_many(self.layouts, cast(list, self.host))
+            backend.wait_stream(stream, backend.current_stream())
+            hosts, reloaded = _with_host(self, targets)
+            copy_timed(layer, "h2d", reloaded, hosts, self.host_bytes)
         # One event for the layer: its first pop waits for every copy.
         event = self.reload_event = backend.record_event(stream)
         self.reload_waited_on = NOT_WAITED
@@ -363,9 +368,7 @@ class LayerData:
         layer.host_buffers.release(layer.layer_index, self.host)
 
 
-def _with_host(
-    data: LayerData, device_tensors: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _with_host(data: LayerData, device_tensors: list[torch.Tensor]) -> tuple[list, list]:
     """The host buffers and the device tensors (one per unique tensor) of the tensors
     that have a buffer: all of them, unless the pool was at ``max_host_bytes``."""
     if not data.stay:
@@ -375,12 +378,10 @@ def _with_host(
 
 
 def hand_out(data: LayerData, layer: CopyingLayer, position: int) -> torch.Tensor:
-    """The reloaded tensor at ``position`` for a pop; the layer lets go of it unless a
-    shared handle will pop it again in this reload (NOTE [Reloaded tensors go one by
-    one]).  A position popped again within one reload (a node unpacking a saved tensor
-    twice, a graph walked again before the layer was released) gets a new copy of its
-    host copy, made on the compute stream (or the device tensor that stayed under
-    ``max_host_bytes``)."""
+    """The reloaded tensor at ``position`` for a pop, let go of unless a shared handle
+    pops it again; a position popped again in one reload gets a new copy of its host copy
+    on the compute stream, or the tensor kept under ``max_host_bytes`` (NOTE [Reloaded
+    tensors go one by one])."""
     tensor = data.reloaded[position]
     if tensor is not None:
         left = data.pops_left

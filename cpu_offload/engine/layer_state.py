@@ -304,9 +304,11 @@ class OffloadableLayerState(LayerTransitions):
                 stream, event = backend.current_stream(), data.reload_event
                 in_range("wait_reload", self.name, backend.wait_event, stream, event)
                 data.reload_waited_on = key
-        tensor = (  # and let go of it
-            hand_out(data, self, index) if slices is None else slices.hand_out(data, self, index)
-        )
+        held = None if slices is not None or data.pops_left else data.reloaded[index]
+        if held is not None:  # let go of it: ``hand_out``'s common case, without the call
+            tensor, data.reloaded[index] = held, None
+        else:
+            tensor = (hand_out if slices is None else slices.hand_out)(data, self, index)
         if backend.checks_handoff:
             backend.before_handoff(tensor, self.name)
         return tensor

@@ -69,10 +69,14 @@ def test_device_memory_falls_within_an_offloaded_layers_backward(per_tensor, mon
     the kept layer's; a layer that lets go only at its end (as before) holds them all
     until then."""
     if not per_tensor:  # what the layer did before: keep every reloaded tensor
-        from cpu_offload.engine import layer_state
+        pop = OffloadableLayerState.pop_leased
 
-        keep = lambda data, layer, position: data.reloaded[position]  # noqa: E731
-        monkeypatch.setattr(layer_state, "hand_out", keep)
+        def keep(state, lease, index, prefetch=True):
+            tensor = pop(state, lease, index, prefetch)
+            state._data.reloaded[index] = tensor  # held again, until the layer's end
+            return tensor
+
+        monkeypatch.setattr(OffloadableLayerState, "pop_leased", keep)
     x = torch.empty(MIB // 4, device="meta", requires_grad=True)
     with timed_runtime(DEVICE) as run:
         marks: list = []
