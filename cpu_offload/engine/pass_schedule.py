@@ -143,19 +143,15 @@ class PassSchedule:
                 lowest -= 1
 
     def _reload_on_demand(self, forward_pass: ForwardPass) -> None:
+        top = None  # the highest layer on the host: the one its backward needs first
         for layer in reversed(range(forward_pass.layers_forwarded)):
             state = forward_pass.made_state(layer)
-            if state is not None and state.state is LayerState.OFFLOAD_STARTED:
+            if state is None:
+                continue
+            if state.state is LayerState.OFFLOAD_STARTED:
                 state.release_activation_forward_gpu_memory()  # its forward just ended
-        top = next(
-            (
-                state
-                for layer in reversed(range(forward_pass.layers_forwarded))
-                if (state := forward_pass.made_state(layer)) is not None
-                and state.state is LayerState.OFFLOAD_FINISHED
-            ),
-            None,
-        )
+            if top is None and state.state is LayerState.OFFLOAD_FINISHED:
+                top = state
         if top is not None and top.holds_data():
             self.stats.on_demand_reloads += 1  # the layer its backward needs first
         if not self._warned and forward_pass.layers_forwarded:
