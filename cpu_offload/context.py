@@ -240,8 +240,9 @@ def get_cpu_offload_context(
         retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
     )
     del double_buffering  # accepted for compatibility
-    slice_bytes = check_slice_bytes(reload_slice_bytes, "get_cpu_offload_context")
-    on_demand = check_on_demand(reload_on_demand_layers, slice_bytes, model_layers)
+    api = "get_cpu_offload_context"
+    slice_bytes = check_slice_bytes(reload_slice_bytes, api)
+    on_demand = check_on_demand(reload_on_demand_layers, slice_bytes, model_layers, api)
     if offloaded_layers is not None:
         if manual_synchronization:
             raise ValueError(

@@ -67,10 +67,11 @@ def check_slice_bytes(value: object, api: str) -> int | None:
     return value
 
 
-def check_on_demand(value: object, slice_bytes: int | None, layers: int) -> frozenset[int]:
+def check_on_demand(
+    value: object, slice_bytes: int | None, layers: int, api: str
+) -> frozenset[int]:
     """``reload_on_demand_layers=`` checked: layer indices in ``[0, layers)``, given only
     with ``reload_slice_bytes`` (NOTE [Slices at the peak])."""
-    api = "get_cpu_offload_context"
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(
             f"{api}: reload_on_demand_layers must be a sequence of layer indices, got "
