@@ -9,8 +9,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ..cli import (
     Parser,
     at_least,
@@ -444,8 +442,7 @@ def plan_stages(
     layers: int,
 ) -> PipelinePlan:
     """Every stage's plan (``--pipeline-stages``), printed; ``layers``: one stage's."""
-    with torch.device("meta"):
-        accumulate_s = layers * gradient_accumulation_s(spec.make_layer(), device)
+    accumulate_s = layers * gradient_accumulation_s(spec.module(), device)
     stages = plan_pipeline(
         LayerCosts.of(profile, device),
         layers * args.pipeline_stages * args.virtual_stages,

@@ -38,6 +38,14 @@ class LayerSpec:
     description: str
     num_layers: int | None = None  # of the model it comes from, when known
 
+    def module(self) -> nn.Module:
+        """The layer itself, on the meta device: ``make_layer`` is a module already (a
+        Hugging Face config's layer, taken from its model) or builds one."""
+        if isinstance(self.make_layer, nn.Module):
+            return self.make_layer
+        with torch.device("meta"):
+            return self.make_layer()
+
 
 def preset_layer(name: str, seq: int | None = None, batch: int | None = None) -> LayerSpec:
     """One layer of a preset: a benchmark's (``tiny``, ``llama8b-layer``) or a mixture
