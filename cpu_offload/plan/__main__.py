@@ -187,16 +187,41 @@ def print_plan(plan: Plan, description: str, node: Node | None = None) -> None:
         "flight, with the pool's reserve; per node: times --ranks-per-node "
         f"{node.ranks}; cap it with max_host_bytes ('auto': the rank's share of the node)"
     )
-    print(f"largest k within {plan.overhead_budget:.1%} overhead: {plan.largest_hidden_k}")
-    if plan.memory_budget is not None:
-        budget = budget_text(plan.memory_budget)
-        if plan.needs_checkpointing:
-            print(f"no k fits {budget} of activations: offloading alone is not enough")
-        else:
-            print(f"smallest k that fits {budget} of activations: {plan.smallest_fitting_k}")
+    print_answers(plan)
     if plan.policy is not None:
         print_policy(plan.policy)
     print(node.describe(answer_bytes(plan)))
+
+
+def print_answers(plan: Plan) -> None:
+    """The largest k within the overhead budget and the smallest k that fits the memory
+    budget, both among the k whose host memory fits the cap per rank (where one is
+    given); where the cap changes an answer, what it would be without the cap."""
+    free = plan.uncapped()
+    host = (
+        ""
+        if plan.host_cap is None
+        else f" and {plan.host_cap / GIB:.2f} GiB of host memory per rank"
+    )
+    hidden, unbound = plan.largest_hidden_k, free.largest_hidden_k
+    line = f"largest k within {plan.overhead_budget:.1%} overhead{host}: {hidden}"
+    if unbound != hidden:
+        need = host_bytes_per_rank(plan.rows[unbound]) / GIB
+        line += f" (the host binds: k = {unbound} needs {need:.2f} GiB per rank)"
+    print(line)
+    if plan.memory_budget is None:
+        return
+    budget, k = budget_text(plan.memory_budget), free.smallest_fitting_k
+    if not plan.needs_checkpointing:
+        print(f"smallest k that fits {budget} of activations{host}: {plan.smallest_fitting_k}")
+    elif k is None:
+        print(f"no k fits {budget} of activations: offloading alone is not enough")
+    else:
+        need = host_bytes_per_rank(plan.rows[k]) / GIB
+        print(
+            f"no k fits {budget} of activations{host}: the host binds (k = {k} fits the "
+            f"device and needs {need:.2f} GiB per rank); offloading alone is not enough"
+        )
 
 
 def answer_bytes(plan: Plan) -> int:

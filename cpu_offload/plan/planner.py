@@ -7,9 +7,11 @@ search (``policy_search.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..device.profiles import DeviceProfile, get_profile
+from ..engine.host_buffers import pool_reserve
 from .census import LayerProfile
 from .policy_search import PolicyPlan, choose_policy
 from .schedule_model import LayerCosts, PlanRow, first_k, simulate_policy
@@ -46,25 +48,45 @@ class Plan:
     policy: PolicyPlan | None = None
     host_cap: int | None = None
 
+    def host_fits(self, row: PlanRow) -> bool:
+        """Whether one rank's host memory for ``row`` (what it moves per step, with the
+        pool's reserve) fits ``host_cap`` (True without a cap)."""
+        return self.host_cap is None or pool_reserve(row.offloaded_bytes) <= self.host_cap
+
     @property
     def largest_hidden_k(self) -> int:
-        """The largest k whose predicted overhead stays within the budget."""
-        return max(row.k for row in self.rows if row.overhead <= self.overhead_budget)
+        """The largest k whose predicted overhead stays within the budget, among the k
+        whose host memory fits ``host_cap`` (k = 0 moves nothing and always does)."""
+        return max(
+            row.k
+            for row in self.rows
+            if row.overhead <= self.overhead_budget and self.host_fits(row)
+        )
 
     @property
     def smallest_fitting_k(self) -> int | None:
-        """The smallest k whose peak activation memory fits the budget (None: none fits,
-        or no budget was given)."""
+        """The smallest k whose peak activation memory fits the budget and whose host
+        memory fits ``host_cap`` (None: none fits both, or no budget was given)."""
         if self.memory_budget is None:
             return None
-        fitting = [row.k for row in self.rows if row.peak_bytes <= self.memory_budget]
+        fitting = [
+            row.k
+            for row in self.rows
+            if row.peak_bytes <= self.memory_budget and self.host_fits(row)
+        ]
         return min(fitting) if fitting else None
 
     @property
     def needs_checkpointing(self) -> bool:
-        """A memory budget was given and not even k = L - 1 meets it: offloading alone
-        cannot fit; recompute (activation checkpointing) some layers."""
+        """A memory budget was given and no k meets it (within the host cap, where one
+        is given): offloading alone cannot fit; recompute (activation checkpointing)
+        some layers."""
         return self.memory_budget is not None and self.smallest_fitting_k is None
+
+    def uncapped(self) -> Plan:
+        """The same plan without its host cap: what the answers would be on a host
+        without a limit."""
+        return dataclasses.replace(self, host_cap=None)
 
 
 def plan_offload(
