@@ -41,35 +41,92 @@ def parser() -> Parser:
     parser = Parser(
         prog="python -m cpu_offload.plan",
         description="Predict activation memory and copy overhead of offloading k layers, "
-        "from the model's shapes (measured on the meta device; nothing is allocated).",
+        "from the model's shapes (measured on the meta device; nothing is allocated). "
+        "The layer is --preset llama8b-layer unless --preset, --hf-config or --gpt says "
+        "otherwise.",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
-        "--preset", choices=PLAN_PRESETS, default=None, help="llama8b-layer by default"
+        "--preset",
+        choices=PLAN_PRESETS,
+        default=None,
+        help="a preset layer, with its own shapes, seq and batch (default: llama8b-layer: "
+        "seq 4096, batch 1, bf16, 8 layers)",
     )
-    source.add_argument("--hf-config", help="a local config.json (or folder), or a cached model")
-    source.add_argument("--gpt", action="store_true", help="a GPT layer (Korthikanti et al.)")
-    parser.add_argument("--hidden", type=at_least(1), default=None, help="--gpt only (4096)")
-    parser.add_argument("--heads", type=at_least(1), default=None, help="--gpt only (32)")
-    parser.add_argument("--seq", type=at_least(1), default=None)
-    parser.add_argument("--batch", type=at_least(1), default=None)
+    source.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="a Hugging Face model's first decoder layer, from a local config.json (or its "
+        "folder) or a model in the local cache (default: --preset; with --hf-config, seq "
+        "4096 and batch 1 unless --seq and --batch say otherwise, and the model's layers)",
+    )
+    source.add_argument(
+        "--gpt",
+        action="store_true",
+        help="a GPT layer (Korthikanti et al.; default: off; seq 2048, batch 1, 32 layers)",
+    )
     parser.add_argument(
-        "--layers", type=int_in(2, MAX_LAYERS), default=None, help="L (default: the model's)"
+        "--hidden", type=at_least(1), default=None, help="--gpt only: hidden size (default: 4096)"
     )
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="--gpt and --hf-config only (bf16)"
+        "--heads", type=at_least(1), default=None, help="--gpt only: attention heads (default: 32)"
     )
-    parser.add_argument("--attention", choices=ATTENTIONS, default="flash")
-    parser.add_argument("--device", default="h100", help=f"{', '.join(PROFILES)}, or a JSON file")
     parser.add_argument(
-        "--flops", type=positive_float, default=None, help="FLOP/s to assume instead"
+        "--seq",
+        type=at_least(1),
+        default=None,
+        help="tokens per sequence (default: the preset's; 4096 with --hf-config, 2048 with --gpt)",
     )
-    parser.add_argument("--min-offload-numel", type=at_least(0), default=DEFAULT_MIN_OFFLOAD_NUMEL)
+    parser.add_argument(
+        "--batch",
+        type=at_least(1),
+        default=None,
+        help="sequences per micro-batch (default: the preset's; 1 with --hf-config and --gpt)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int_in(2, MAX_LAYERS),
+        default=None,
+        help=f"L, the layers of the stack, 2..{MAX_LAYERS} (default: the model's; "
+        f"{GPT_LAYERS} with --gpt)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="--gpt and --hf-config only (default: bf16; a preset has its own)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default="flash",
+        help="the attention kernel whose saved tensors are measured (default: flash)",
+    )
+    parser.add_argument(
+        "--device",
+        default="h100",
+        help=f"the device profile: {', '.join(PROFILES)}, or a JSON file of "
+        "python -m cpu_offload.check (default: h100)",
+    )
+    parser.add_argument(
+        "--flops",
+        type=positive_float,
+        default=None,
+        help="FLOP/s to assume instead of the profile's (default: the profile's)",
+    )
+    parser.add_argument(
+        "--min-offload-numel",
+        type=at_least(0),
+        default=DEFAULT_MIN_OFFLOAD_NUMEL,
+        help="tensors with fewer elements stay on the device, as offload_layers' "
+        f"min_offload_numel= (default: {DEFAULT_MIN_OFFLOAD_NUMEL})",
+    )
     parser.add_argument(
         "--overhead",
         type=fraction,
         default=0.02,
-        help="allowed step overhead: a fraction up to 1 (0.02) or a percentage (2%%)",
+        help="allowed step overhead: a fraction up to 1 or a percentage (default: 0.02, "
+        "that is 2%%)",
     )
     parser.add_argument(
         "--memory-budget",
@@ -77,29 +134,36 @@ def parser() -> Parser:
         default=None,
         metavar="GIB",
         help="saved activations allowed: GiB (20, 0.5) or a size with its unit (512MiB); "
-        "also choose keep/offload/checkpoint per layer",
+        "also choose keep/offload/checkpoint per layer (default: none)",
     )
     parser.add_argument(
-        "--ranks-per-node", type=at_least(1), default=1, help="ranks sharing a node's host"
+        "--ranks-per-node",
+        type=at_least(1),
+        default=1,
+        metavar="N",
+        help="ranks sharing a node's host memory (default: 1)",
     )
     parser.add_argument(
         "--host-memory",
         type=host_memory_argument,
         default=None,
+        metavar="GIB",
         help="GiB of host memory a node gives offloading (or 256GiB, 1TiB): each rank's "
-        "share caps what the policy moves",
+        "share caps what the policy moves and the recommended k (default: none, no cap)",
     )
     parser.add_argument(
         "--modules",
         nargs="+",
         metavar="NAME[=keep|offload]",
         default=None,
-        help="offload_layers' modules=: names alone offload those and keep the rest",
+        help="offload_layers' modules=: names alone offload those and keep the rest "
+        "(default: every module)",
     )
     parser.add_argument(
         "--per-module",
         action="store_true",
-        help="with --memory-budget: also try keeping parts of each offloaded layer (modules=)",
+        help="with --memory-budget: also try keeping parts of each offloaded layer "
+        "(modules=; default: off)",
     )
     pipeline = parser.add_argument_group(
         "pipeline parallelism", "plan every stage of a pipeline schedule (docs/pipeline.md)"
@@ -110,24 +174,39 @@ def parser() -> Parser:
         default=None,
         metavar="P",
         help="pipeline ranks: the layers split evenly over them; --memory-budget applies to "
-        "every stage",
+        "every stage (default: none, one stack)",
     )
     pipeline.add_argument(
-        "--microbatches", type=at_least(1), default=None, metavar="M", help="per step"
+        "--microbatches",
+        type=at_least(1),
+        default=None,
+        metavar="M",
+        help="micro-batches per step (with --pipeline-stages, which needs it; no default)",
     )
-    pipeline.add_argument("--schedule", choices=list(SCHEDULES), default=None)
+    pipeline.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        default=None,
+        help="the pipeline schedule, torch's order of each rank (default: 1f1b)",
+    )
     pipeline.add_argument(
         "--virtual-stages",
         type=at_least(2),
         default=None,
         metavar="V",
-        help="--schedule interleaved: stages per rank (2)",
+        help="--schedule interleaved: stages per rank (default: 2; zbv has 2)",
     )
     parser.add_argument(
-        "--json", metavar="PATH", type=output_file, help="also write the plan as JSON"
+        "--json",
+        metavar="PATH",
+        type=output_file,
+        help="also write the plan as JSON (default: none)",
     )
     parser.add_argument(
-        "--plot", metavar="PATH", type=plot_file, help="also plot memory and overhead per k"
+        "--plot",
+        metavar="PATH",
+        type=plot_file,
+        help="also plot memory and overhead per k (default: none)",
     )
     return parser
 

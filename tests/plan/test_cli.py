@@ -146,3 +146,24 @@ def test_the_table_says_how_much_host_memory_a_rank_needs(capsys):
     assert main(["--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "host GiB/rank" in out and "cap it with max_host_bytes" in out
+
+
+def test_every_flag_of_help_says_what_it_does_and_its_default():
+    """Issue 49, item 8: ``plan --help`` gives every flag a text and its default, and
+    says which seq ``--hf-config`` plans by default."""
+    from cpu_offload.plan.__main__ import parser
+
+    result = subprocess.run(
+        [sys.executable, "-m", "cpu_offload.plan", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    flags = [a for a in parser()._actions if a.option_strings != ["-h", "--help"]]
+    assert len(flags) == 25
+    for action in flags:
+        assert action.help and "default" in action.help, action.option_strings
+        assert " ".join(action.help.replace("%%", "%").split()) in text, action.help
+    hf_config = next(a for a in flags if "--hf-config" in a.option_strings)
+    assert "seq 4096 and batch 1 unless --seq and --batch say otherwise" in hf_config.help
+    assert "The layer is --preset llama8b-layer unless" in text
