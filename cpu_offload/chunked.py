@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from .device.backend import is_dense
-from .engine.chunk_engine import ChunkedForward, ChunkEngine
 from .engine.layer_state import OffloadableLayerState
+from .engine.offload_engine import ChunkedForward, ChunkEngine
 from .engine.transitions import LayerState
 from .errors import CpuOffloadError
 from .hooks.autograd_hooks import (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cpu_offload", "quantized")
-CORE_MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 450, 250, 100
+MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 450, 250, 100
 #: the offloader's mechanism, one folder per concept (docs/design.md)
 MECHANISM = ("device", "hooks", "report", "engine", "policy")
 #: the packages beside the core: they import it, it reaches them lazily if at all
@@ -90,20 +91,13 @@ def test_no_import_cycle():
     assert cycles == []
 
 
-def _in_core(name: str) -> bool:
-    """The top level of cpu_offload and its mechanism folders."""
-    parts = name.split(".")
-    return parts[0] == "cpu_offload" and (
-        MODULES[name].parent.name == "cpu_offload" or parts[1] in MECHANISM
-    )
-
-
-@pytest.mark.parametrize("name", [n for n in MODULES if n.count(".") == 1 or _in_core(n)], ids=str)
+@pytest.mark.parametrize("name", list(MODULES), ids=str)
 def test_modules_and_classes_are_small(name):
+    """Every module of the package: at most 450 lines, its classes at most 250 (a long
+    docstring counts; issue 54 extended the rule from the core to the whole package)."""
     path = MODULES[name]
     source = path.read_text()
-    if _in_core(name):
-        assert len(source.splitlines()) <= CORE_MODULE_LINES, f"{name} is a core module"
+    assert len(source.splitlines()) <= MODULE_LINES, f"{name}: {len(source.splitlines())} lines"
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             assert node.end_lineno - node.lineno + 1 <= CLASS_LINES, f"{name}.{node.name}"
@@ -140,12 +134,48 @@ def test_the_top_level_holds_the_entry_points():
 
 
 def test_the_mechanism_is_in_folders_of_at_most_15_modules():
+    """Every folder of the package, nested ones too: at most 15 modules, its
+    ``__init__.py`` and ``__main__.py`` counted."""
     folders = [p.name for p in _folders()]
     assert sorted(folders) == sorted(MECHANISM + BESIDE), "a new folder: add it above"
     assert len(MECHANISM) >= 4
-    for folder in _folders():
-        modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
-        assert len(modules) <= FOLDER_MODULES, f"{folder.name}: {sorted(modules)}"
+    for package in PACKAGES:
+        for init in sorted((ROOT / package).rglob("__init__.py")):
+            modules = sorted(p.name for p in init.parent.glob("*.py"))
+            assert len(modules) <= FOLDER_MODULES, f"{init.parent.relative_to(ROOT)}: {modules}"
+
+
+def _plan_rooms() -> tuple[dict[str, str], dict[str, set[str]]]:
+    """The rooms of ``plan/`` as its ``__init__.py`` draws them: each module's room, and
+    the other rooms each may import."""
+    doc = ast.get_docstring(ast.parse((ROOT / "cpu_offload/plan/__init__.py").read_text()))
+    rows = re.findall(r"^    (\w+): (.+?) -> (.+)$", doc or "", flags=re.MULTILINE)
+    assert rows, "cpu_offload/plan/__init__.py: no map of rooms"
+    room_of, allowed = {}, {}
+    for room, modules, imports in rows:
+        allowed[room] = set(imports.split()) - {"nothing"}
+        for module in modules.split():
+            name = "cpu_offload.plan." + module.rstrip("/")
+            found = [n for n in MODULES if n == name or n.startswith(name + ".")]
+            assert found, f"plan's map names {module}, which is not there"
+            room_of.update((n, room) for n in found if n == name or module.endswith("/"))
+    return room_of, allowed
+
+
+def test_every_room_of_the_planner_imports_only_what_its_map_allows():
+    room_of, allowed = _plan_rooms()
+    plan = [n for n in MODULES if n.startswith("cpu_offload.plan.")]
+    assert sorted(set(plan) - set(room_of)) == [], "a module of plan/ in no room of its map"
+    assert set(room_of.values()) >= {r for rooms in allowed.values() for r in rooms}
+    wrong = [
+        f"{name} ({room_of[name]}) imports {target} ({room_of[target]})"
+        for name in plan
+        for target in _graph()[name]
+        if target in room_of
+        and room_of[target] != room_of[name]
+        and room_of[target] not in allowed[room_of[name]]
+    ]
+    assert wrong == []
 
 
 def _unit(name: str) -> str | None:

@@ -37,7 +37,7 @@ NOTE [The automatic policy]
        keeps the plan (made for a larger one, it fits).
     5. A step ends when a pass starts after a backward with no pass waiting for its own;
        once more passes were in flight than a plan was made for (a pipeline stage's
-       warm-up), it is made again (NOTE [A stage's passes in flight] in stage_plan.py).
+       warm-up), it is made again (NOTE [A budget inside a stage] in stage_plan.py).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from ..policy.planned_synchronizer import PlannedOffloadSynchronizer
 from ..policy.policy import CHECKPOINTED, OFFLOADED, checkpoint_hazards
 from .policy_plan import PolicyPlan
 from .policy_search import PolicySearch
-from .schedule_model import LayerCosts
+from .schedule_model import measured_costs
 from .stage_plan import choose_for_stage
 
 __all__ = ["BACKWARD_PER_FORWARD", "AutoPolicy", "budget_context", "modules_budget_context"]
@@ -231,7 +231,7 @@ class AutoPolicy:
 
     def step_starts(self) -> None:
         backend, plan = self.synchronizer.backend, self.plan
-        waiting = len(self.synchronizer.waiting_passes())  # NOTE [A stage's passes in flight]
+        waiting = len(self.synchronizer.waiting_passes())  # NOTE [A budget inside a stage]
         self.in_flight = max(self.in_flight, waiting + 1)
         over = not waiting and self.synchronizer.recorder.steps > 0  # a step: a backward
         if plan is not None and over:
@@ -319,22 +319,7 @@ class AutoPolicy:
         stand_in = max(ran, key=lambda r: r.saved_bytes)
         records = [r if r is not None else stand_in for r in found]
         hazards = [h + [NOT_MEASURED] if r is None else h for h, r in zip(self.hazards, found)]
-        timed = [r.forward_s for r in records if r.forward_s is not None]
-        fill = sum(timed) / len(timed) if timed else 0.0
-        costs = []
-        for record in records:
-            forward = record.forward_s if record.forward_s is not None else fill
-            costs.append(
-                LayerCosts(
-                    record.saved_bytes,
-                    record.offloaded_bytes,
-                    record.kept_bytes,
-                    forward,
-                    BACKWARD_PER_FORWARD * forward,
-                    record.input_bytes,
-                    record.input_offloaded_bytes,
-                )
-            )
+        costs = measured_costs(records, BACKWARD_PER_FORWARD)
         if self.link is None:
             largest = max([r.offloaded_bytes for r in records] + [0])
             sample = min(max(largest, LINK_SAMPLE_BYTES[0]), LINK_SAMPLE_BYTES[1])

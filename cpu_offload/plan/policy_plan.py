@@ -57,7 +57,7 @@ class PolicyPlan:
         binding: when nothing fits, the limit that binds: ``"memory_budget"`` or
             ``"max_host_bytes"`` (a policy fits the device but not the host); else "".
         in_flight: the forward passes in flight the plan was made for (a pipeline
-            stage's; NOTE [A stage's passes in flight] in stage_plan.py); 1 elsewhere.
+            stage's; NOTE [A budget inside a stage] in stage_plan.py); 1 elsewhere.
         keep_passes: of those, how many keep ``policy``, the others moved whole; None:
             every pass keeps it.  Pass both to ``offload_layers``.
         reload_slice_bytes: offloaded layers reloaded in slices of this many bytes

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from ..policy.policy import (
 from .census import LayerProfile
 
 __all__ = ["LayerCosts", "PlanRow", "first_k", "layer_costs", "simulate", "simulate_policy"]
-__all__ += ["Pop", "policy_bytes", "slice_sizes", "sliced_backward"]
+__all__ += ["Pop", "measured_costs", "policy_bytes", "slice_sizes", "sliced_backward"]
 
 
 @dataclass
@@ -224,6 +224,29 @@ def layer_costs(costs: LayerCosts | Sequence[LayerCosts], num_layers: int) -> li
             "give one LayerCosts per layer, or one for all of them."
         )
     return each
+
+
+def measured_costs(records: Sequence[Any], backward_per_forward: float) -> list[LayerCosts]:
+    """Each measured layer's costs (a ``MeasuredLayer`` of ``policy/measured_step.py``:
+    its bytes and forward time); a layer whose forward was not timed takes the mean of
+    those that were, and a backward is ``backward_per_forward`` times its forward."""
+    timed = [r.forward_s for r in records if r.forward_s is not None]
+    fill = sum(timed) / len(timed) if timed else 0.0
+    costs = []
+    for record in records:
+        forward = record.forward_s if record.forward_s is not None else fill
+        costs.append(
+            LayerCosts(
+                record.saved_bytes,
+                record.offloaded_bytes,
+                record.kept_bytes,
+                forward,
+                backward_per_forward * forward,
+                record.input_bytes,
+                record.input_offloaded_bytes,
+            )
+        )
+    return costs
 
 
 def simulate(

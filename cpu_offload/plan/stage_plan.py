@@ -1,36 +1,16 @@
-"""A pipeline stage's peak with several passes in flight, the one model the planner per
-stage (``pipeline.py``) and a memory budget inside a stage (``auto_policy.py``) share; and
-the plan of a stage for a budget: a per-layer policy for ``n`` forward passes in flight,
-and how many of them keep it (``keep_passes``), the others moved whole.
+"""The plan of a pipeline stage for a memory budget inside it (``auto_policy.py``): a
+per-layer policy for ``n`` forward passes in flight, and how many of them keep it
+(``keep_passes``), the others moved whole.  Its peak is the stage model's
+(:func:`~cpu_offload.plan.pipeline.stage_model.stage_peak`, the one the planner per stage
+uses); this module searches every candidate policy and ``N`` with it.
 
-NOTE [A stage's passes in flight]
-    A stage holds, beside the pass whose forward or backward runs, what the other passes
-    in flight keep while they wait.  Memory moves only at a layer boundary of the compute
-    stream, so a stage's peak does not depend on timing: :func:`stage_peak` walks the
-    stage's order of forwards and backwards, and at each action adds the most the acting
-    pass holds during it to what the other passes hold, as :class:`PassBytes` says for a
-    pass of each policy:
-
-    - a pass that keeps the per-layer policy (the event model's row of one pass,
-      ``schedule_model.py``): its forward's and its backward's most, and while it waits
-      what its forward ends with (``eof``);
-    - a pass moved whole (NOTE [Moving a pass whole] in engine/pass_schedule.py): in its
-      forward, layers ``j`` and ``j - 1`` whole (``whole``: every byte it saved, a
-      checkpointed layer its inputs) beside what cannot move of the layers below
-      (``stays``); while it waits, ``stays``; brought back (when an older pass's
-      backward starts and its place in the queue drops below ``N``), its last layer
-      whole too; in its backward, at layer ``j``, layers ``j`` and ``j - 1`` whole
-      (``j - 1`` being reloaded) beside ``stays`` below.
-    - ZB-V's split backward (NOTE [A backward in two phases] in engine/weight_pass.py):
-      ``I`` runs as a backward of the pass's policy, but the retained graph keeps what
-      stays of the layers it passed; from its end to ``W`` the pass holds what stays
-      and the first layer ``W`` reloads; in ``W``, two layers of what it moved at most
-      (one reloaded, the next reloading) beside what stays.
-
-    The planner per stage walks each rank's own order; inside a stage, where only the
-    passes in flight are measured, the walk is of the order that holds them longest (all
-    ``n`` forwards, then the backwards: GPipe's), with a per-layer policy's single-pass
-    peak for both its forward and its backward.
+NOTE [A budget inside a stage]
+    A memory budget inside a stage measures only how many passes are in flight (NOTE [A
+    stage's passes in flight] in ``plan/pipeline/stage_model.py``).  The planner per
+    stage walks each rank's own order; inside a stage the walk is of the order that
+    holds the passes longest (all ``n`` forwards, then the backwards: GPipe's,
+    ``fifo_order``), with a per-layer policy's single-pass peak for both its forward and
+    its backward.
 
     A moved pass's copies run behind its own forward and the backward before it; inside a
     stage, the step of a moved pass is the per-layer policy's plus what of each layer's
@@ -47,17 +27,17 @@ NOTE [A stage's passes in flight]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from ..engine.host_buffers import pool_reserve
 from ..policy.policy import POLICY_CHOICES
 from .many_policies import order
+from .pipeline.orders import BACKWARD, FORWARD, INPUT, WEIGHT, Action, fifo_order
+from .pipeline.stage_model import PassBytes, kept_pass, moved_pass, stage_peak
 from .policy_plan import PolicyPlan
 from .policy_search import PolicySearch, host_fits
-from .schedule_model import PlanRow, simulate_policy
+from .schedule_model import simulate_policy
 
 __all__ = [
     "BACKWARD",
@@ -74,142 +54,13 @@ __all__ = [
     "stage_rows",
 ]
 
-FORWARD, BACKWARD, INPUT, WEIGHT = "F", "B", "I", "W"
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One step of a rank's order: ``kind`` (``F``, ``B``; ZB-V's ``I`` and ``W``) of
-    micro-batch ``microbatch`` at the pipeline's stage ``stage``, the rank's ``chunk``-th
-    stage (0 with one stage per rank)."""
-
-    kind: str
-    microbatch: int
-    stage: int
-    chunk: int
-
-
-def fifo_order(passes: int) -> list[Action]:
-    """``passes`` forwards, then their backwards in the same order (GPipe's order of one
-    stage): the order that keeps them in flight longest."""
-    return [Action(kind, m, 0, 0) for kind in (FORWARD, BACKWARD) for m in range(passes)]
-
-
-@dataclasses.dataclass(frozen=True)
-class PassBytes:
-    """What one pass holds on the device in each phase (NOTE [A stage's passes in
-    flight]): ints, or arrays with one entry per candidate policy.
-
-    Attributes:
-        forward: the most during its forward.
-        waiting: while it waits for its backward.
-        back: while it waits, brought back (a moved pass: its last layer reloaded).
-        backward: the most during its backward.
-        split: from the end of ZB-V's ``I`` to its ``W``.
-        input: the most during ZB-V's ``I`` (its backward, the graph retained).
-        weight: the most during ZB-V's ``W``.
-    """
-
-    forward: Any
-    waiting: Any
-    back: Any
-    backward: Any
-    split: Any
-    input: Any = None
-    weight: Any = None
-
-
-def kept_pass(row: PlanRow, input: Any = None, split: Any = None, weight: Any = None) -> PassBytes:
-    """A pass that keeps a per-layer policy, from the event model's row of one pass
-    (:func:`simulate_policy` with its log); ``input``, ``split``, ``weight``: what it
-    holds in ZB-V's split backward (``pipeline.split_bytes``)."""
-    forward = max((held for step, _, held in row.log if step.startswith("fwd")), default=0)
-    backward = max((held for step, _, held in row.log if step.startswith("bwd")), default=0)
-    eof = row.end_of_forward_bytes
-    return PassBytes(forward, eof, eof, backward, split, input, weight)
-
-
-def moved_pass(whole: Any, stays: Any, split: tuple[Any, Any, Any] | None = None) -> PassBytes:
-    """A pass moved whole, from each layer's ``whole`` and ``stays`` bytes (one row per
-    layer's bytes, or one row per candidate policy and a column per layer); ``split``:
-    what it holds in ZB-V's split backward (``input``, ``split``, ``weight``)."""
-    whole, stays = np.atleast_2d(whole), np.atleast_2d(stays)
-    layers = whole.shape[1]
-    below = np.concatenate([np.zeros_like(stays[:, :1]), np.cumsum(stays, axis=1)], axis=1)
-    # at layer j (forward or backward): j and j - 1 whole, the layers below staying
-    at = [
-        below[:, max(j - 1, 0)] + (whole[:, j - 1] if j >= 1 else 0) + whole[:, j]
-        for j in range(layers)
-    ]
-    forward = np.max(np.stack([below[:, layers], *at[:-1]]), axis=0)
-    backward = np.max(np.stack(at), axis=0)
-    back = below[:, layers] - stays[:, -1] + whole[:, -1]
-    squeeze = (lambda x: x) if whole.shape[0] > 1 else (lambda x: int(x[0]))
-    input, held, weight = split if split is not None else (None, None, None)
-    return PassBytes(
-        squeeze(forward),
-        squeeze(below[:, layers]),
-        squeeze(back),
-        squeeze(backward),
-        split=held,
-        input=input,
-        weight=weight,
-    )
-
-
-@dataclasses.dataclass
-class _Held:
-    whole: bool
-    held: Any
-    started: bool = False
-    back: bool = False
-
-
-def stage_peak(
-    order: Sequence[Action], kept: PassBytes, moved: PassBytes, keep_passes: int | None
-) -> Any:
-    """The most a stage's passes hold on the device at once as it runs ``order``, each
-    pass keeping the per-layer policy (``kept``) or, beyond the ``keep_passes`` whose
-    backwards come next, moved whole (``moved``); NOTE [A stage's passes in flight]."""
-    passes: dict[tuple[int, int], _Held] = {}
-    peak: Any = 0
-
-    def queue(chunk: int) -> list[_Held]:
-        return [p for k, p in passes.items() if k[0] == chunk and not p.started]
-
-    for action in order:
-        key = (action.chunk, action.microbatch)
-        if action.kind == FORWARD:
-            whole = keep_passes is not None and len(queue(action.chunk)) >= keep_passes
-            own = moved if whole else kept
-            peak = np.maximum(peak, sum(p.held for p in passes.values()) + own.forward)
-            passes[key] = _Held(whole, own.waiting)
-        elif action.kind == WEIGHT:
-            state = passes.pop(key)
-            own = moved if state.whole else kept
-            peak = np.maximum(peak, sum(p.held for p in passes.values()) + own.weight)
-        else:
-            state = passes[key]
-            state.started, state.held = True, 0
-            for other in queue(action.chunk)[: keep_passes or 0]:
-                if other.whole and not other.back:
-                    other.back, other.held = True, moved.back
-            own = moved if state.whole else kept
-            during = own.input if action.kind == INPUT else own.backward
-            peak = np.maximum(peak, sum(p.held for p in passes.values()) + during)
-            if action.kind == INPUT:
-                state.held = own.split
-            else:
-                del passes[key]
-    return peak
-
 
 def stage_rows(
     search: PolicySearch, in_flight: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per candidate and ``keep_passes`` (None, then 1..n-1): the candidate's row in
     ``search.codes``, ``keep_passes`` (0 for None), the stage's peak, step time per pass
-    and host bytes (NOTE [A stage's passes in flight])."""
+    and host bytes (NOTE [A budget inside a stage])."""
     codes, results, costs = search.codes, search.results, search.costs
     n = max(1, in_flight)
     checkpointed = search.checkpointed(codes)
@@ -255,8 +106,8 @@ def choose_for_stage(
     search: PolicySearch, memory_budget: int, host_cap: int | None, in_flight: int
 ) -> PolicyPlan:
     """The plan of a stage with ``in_flight`` passes in flight: the fastest per-layer
-    policy and ``keep_passes`` whose peak fits ``memory_budget`` (NOTE [A stage's passes
-    in flight]); its ``predicted`` row is the stage's (peak, step per pass)."""
+    policy and ``keep_passes`` whose peak fits ``memory_budget`` (NOTE [A budget
+    inside a stage]); its ``predicted`` row is the stage's (peak, step per pass)."""
     if in_flight <= 1:
         plan = search.choose(memory_budget, host_cap)
         plan.in_flight = 1

@@ -227,7 +227,7 @@ def test_the_planner_and_a_budget_inside_a_stage_share_one_model_of_its_peak():
     """GPipe's 8 passes of 2 layers of 4 MiB that nothing can shrink, every pass kept or
     one kept and 7 moved whole: the planner per stage (its rank's order) and a memory
     budget inside a stage (the passes in flight it measured) give the same peak, from
-    the same walk (NOTE [A stage's passes in flight] in plan/stage_plan.py)."""
+    the same walk (NOTE [A stage's passes in flight] in plan/pipeline/stage_model.py)."""
     from cpu_offload.plan.policy_search import PolicySearch
     from cpu_offload.plan.stage_plan import stage_rows
     from cpu_offload.policy.policy import POLICY_CHOICES
