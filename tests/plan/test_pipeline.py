@@ -247,3 +247,22 @@ def test_the_planner_and_a_budget_inside_a_stage_share_one_model_of_its_peak():
             if list(search.codes[r]) == kept_all and k == (keep or 0)
         ]
         assert planner.peak_bytes == inside[0] == expected
+
+
+def test_the_stage_model_gives_the_stage_memory_over_time():
+    """GPipe's 4 passes of 2 layers of 4 MiB on one stage: without offload each pass
+    holds 8 MiB from its forward to its backward, so the stage's memory rises by 8 MiB a
+    forward and falls by as much a backward; its peak is the largest.  With one pass
+    kept the others are moved whole and the stage holds less, by the same walk."""
+    mib = 2**20
+    layer = LayerCosts(4 * mib, 4 * mib, 0, 1e-3, 2e-3)
+    order = rank_orders("gpipe", 1, 4)[0]
+    ready = [0.0] * len(order)
+    kept = simulate_stage(order, ready, layer, 2, StagePolicy(0), 1e12, 1e12)
+    assert [a.kind for a in order] == ["F"] * 4 + ["B"] * 4
+    assert [held // mib for held in kept.held_bytes] == [8, 16, 24, 32, 32, 24, 16, 8]
+    assert kept.peak_bytes == max(kept.held_bytes) == 32 * mib
+    moved = simulate_stage(order, ready, layer, 2, StagePolicy(0, 1), 1e12, 1e12)
+    assert len(moved.held_bytes) == len(order)
+    assert moved.peak_bytes == max(moved.held_bytes) < kept.peak_bytes
+    assert all(m <= k for m, k in zip(moved.held_bytes, kept.held_bytes, strict=True))

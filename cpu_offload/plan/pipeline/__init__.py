@@ -10,7 +10,8 @@ Its rooms, each importing only those above it:
   compute stream, copy streams and copy engines; the passes' copies in flight).
 - ``stage_model.py``: the stage model. :func:`simulate_stage`, from a rank's order, its
   stage's per-layer bytes and costs and a :class:`StagePolicy`, to the stage's peak and
-  step time (:class:`StageRow`); its peak is :func:`stage_peak`, over what a pass holds
+  step time (:class:`StageRow`); its memory over time is :func:`stage_memory` and its
+  peak :func:`stage_peak`, over what a pass holds
   in each phase (:class:`PassBytes`). A memory budget inside a stage
   (``plan/stage_plan.py``) uses the same peak and bytes.
 - ``search.py``: the per-stage search. Every policy a stage may take, through the stage
@@ -52,6 +53,7 @@ from .stage_model import (
     moved_pass,
     simulate_stage,
     split_bytes,
+    stage_memory,
     stage_passes,
     stage_peak,
 )
@@ -82,6 +84,7 @@ __all__ = [
     "shape_error",
     "simulate_stage",
     "split_bytes",
+    "stage_memory",
     "stage_passes",
     "stage_peak",
     "weight_chain",

@@ -77,8 +77,9 @@ Every figure is a prediction; memory is the layers' saved activations only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,7 @@ __all__ = [
     "moved_pass",
     "simulate_stage",
     "split_bytes",
+    "stage_memory",
     "stage_passes",
     "stage_peak",
 ]
@@ -171,14 +173,15 @@ class _Held:
     back: bool = False
 
 
-def stage_peak(
+def stage_memory(
     order: Sequence[Action], kept: PassBytes, moved: PassBytes, keep_passes: int | None
-) -> Any:
-    """The most a stage's passes hold on the device at once as it runs ``order``, each
-    pass keeping the per-layer policy (``kept``) or, beyond the ``keep_passes`` whose
-    backwards come next, moved whole (``moved``); NOTE [A stage's passes in flight]."""
+) -> list[Any]:
+    """The stage's memory over time: the most its passes hold on the device at once
+    during each action of ``order``, each pass keeping the per-layer policy (``kept``)
+    or, beyond the ``keep_passes`` whose backwards come next, moved whole (``moved``);
+    NOTE [A stage's passes in flight]."""
     passes: dict[tuple[int, int], _Held] = {}
-    peak: Any = 0
+    held: list[Any] = []
 
     def queue(chunk: int) -> list[_Held]:
         return [p for k, p in passes.items() if k[0] == chunk and not p.started]
@@ -188,12 +191,12 @@ def stage_peak(
         if action.kind == FORWARD:
             whole = keep_passes is not None and len(queue(action.chunk)) >= keep_passes
             own = moved if whole else kept
-            peak = np.maximum(peak, sum(p.held for p in passes.values()) + own.forward)
+            held.append(sum(p.held for p in passes.values()) + own.forward)
             passes[key] = _Held(whole, own.waiting)
         elif action.kind == WEIGHT:
             state = passes.pop(key)
             own = moved if state.whole else kept
-            peak = np.maximum(peak, sum(p.held for p in passes.values()) + own.weight)
+            held.append(sum(p.held for p in passes.values()) + own.weight)
         else:
             state = passes[key]
             state.started, state.held = True, 0
@@ -202,12 +205,20 @@ def stage_peak(
                     other.back, other.held = True, moved.back
             own = moved if state.whole else kept
             during = own.input if action.kind == INPUT else own.backward
-            peak = np.maximum(peak, sum(p.held for p in passes.values()) + during)
+            held.append(sum(p.held for p in passes.values()) + during)
             if action.kind == INPUT:
                 state.held = own.split
             else:
                 del passes[key]
-    return peak
+    return held
+
+
+def stage_peak(
+    order: Sequence[Action], kept: PassBytes, moved: PassBytes, keep_passes: int | None
+) -> Any:
+    """The most a stage's passes hold on the device at once as it runs ``order``: the
+    largest of :func:`stage_memory` (per candidate policy, where the bytes are arrays)."""
+    return functools.reduce(np.maximum, stage_memory(order, kept, moved, keep_passes), 0)
 
 
 @dataclass(frozen=True)
@@ -239,6 +250,8 @@ class StageRow:
         exposed_copy_s: time the compute stream waited for copies.
         waited_s: time it waited for its inputs (the neighbours).
         passes_moved_whole: passes the policy moved whole.
+        held_bytes: the stage's memory over time: the most on the device during each
+            action of its order (:func:`stage_memory`); ``peak_bytes`` is the largest.
     """
 
     peak_bytes: int
@@ -247,6 +260,7 @@ class StageRow:
     exposed_copy_s: float
     waited_s: float
     passes_moved_whole: int
+    held_bytes: tuple[int, ...] = field(default=(), repr=False)
 
 
 def split_bytes(
@@ -317,11 +331,13 @@ def simulate_stage(
         weight_share,
     )
     kept, moved = stage_passes(each, policy, d2h_bytes_per_s, h2d_bytes_per_s)
+    held = tuple(int(x) for x in stage_memory(order, kept, moved, policy.keep_passes))
     return StageRow(
-        peak_bytes=int(stage_peak(order, kept, moved, policy.keep_passes)),
+        peak_bytes=max(held, default=0),
         offloaded_bytes=run.offloaded,
         step_s=run.compute,
         exposed_copy_s=run.exposed,
         waited_s=run.waited,
         passes_moved_whole=whole_count,
+        held_bytes=held,
     )
