@@ -266,3 +266,34 @@ def test_the_stage_model_gives_the_stage_memory_over_time():
     assert len(moved.held_bytes) == len(order)
     assert moved.peak_bytes == max(moved.held_bytes) < kept.peak_bytes
     assert all(m <= k for m, k in zip(moved.held_bytes, kept.held_bytes, strict=True))
+
+
+@pytest.mark.parametrize("link", [1e12, 50e9, 5e9])
+def test_a_budget_inside_a_stage_and_the_stage_model_agree(link):
+    """Four passes in flight of 4 layers (64 MiB saved, 60 offloadable, 4/8 ms), every
+    first-k policy: a budget inside a stage (``stage_rows``, GPipe's order) and the stage
+    model (``simulate_stage`` on that order) give the same peak for every
+    ``keep_passes``, and, every pass keeping the policy, the same step per pass."""
+    from cpu_offload.plan.policy_search import PolicySearch
+    from cpu_offload.plan.schedule_model import first_k
+    from cpu_offload.plan.stage_plan import fifo_order, stage_rows
+    from cpu_offload.policy.policy import POLICY_CHOICES
+
+    mib, layers, n = 2**20, 4, 4
+    layer = LayerCosts(64 * mib, 60 * mib, 4 * mib, 4e-3, 8e-3)
+    search = PolicySearch.of_layers([layer] * layers, link, link, hazards=[["no"]] * layers)
+    rows, keeps, peaks, steps, _ = stage_rows(search, n)
+    order = fifo_order(n)
+    for k in range(layers):
+        codes = [POLICY_CHOICES.index(choice) for choice in first_k(layers, k)]
+        for keep in range(n):
+            (i,) = [
+                i
+                for i, (r, kept) in enumerate(zip(rows, keeps, strict=True))
+                if list(search.codes[r]) == codes and kept == keep
+            ]
+            policy = StagePolicy(k, keep or None)
+            model = simulate_stage(order, [0.0] * len(order), layer, layers, policy, link, link)
+            assert int(peaks[i]) == model.peak_bytes, (k, keep)
+            if keep == 0:
+                assert steps[i] == pytest.approx(model.step_s / n, rel=1e-9), k
