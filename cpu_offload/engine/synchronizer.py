@@ -8,6 +8,7 @@ as long as its autograd graph.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import defaultdict
@@ -104,6 +105,7 @@ class OffloadSynchronizer(OffloadEngine):
         self._forwarding = PerThread(_ForwardInProgress)
         self._driven_by_hand: ForwardPass | None = None  # see bwd_step
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
+        self._pass_numbers = itertools.count()
         self._passes_lock = threading.Lock()
         self.keep_passes: int | None = None  # NOTE [Moving a pass whole] in pass_schedule.py
         self.pass_schedule: PassSchedule | None = None
@@ -116,7 +118,10 @@ class OffloadSynchronizer(OffloadEngine):
     # ------------------------------------------------------------ passes
 
     def _new_pass(self) -> ForwardPass:
-        forward_pass = ForwardPass(self.model_layers, self.new_layer_state)
+        # numbered per synchronizer: a handle's first step is its forward pass 0
+        forward_pass = ForwardPass(
+            self.model_layers, self.new_layer_state, next(self._pass_numbers)
+        )
         if self.pass_schedule is not None:
             self.pass_schedule.pass_starts(forward_pass, self.waiting_passes())
         with self._passes_lock:
