@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
+from helpers import tiny_hf_model
 
 from cpu_offload import offload_layers
 from cpu_offload.log import user_stacklevel, warn
 
 
 def test_a_warning_from_inside_a_hugging_face_forward_points_at_the_users_line():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        num_hidden_layers=3,
-        hidden_size=64,
-        intermediate_size=128,
-        vocab_size=100,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_hf_model("Llama", 3)
     handle = offload_layers(model, 1)  # every tensor is under min_offload_numel: one warning
     ids = torch.randint(0, 100, (1, 8))
     with warnings.catch_warnings(record=True) as caught:
