@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from .device.amounts import integer
 from .device.backend import is_dense
 from .engine.layer_state import OffloadableLayerState
 from .engine.offload_engine import ChunkedForward, ChunkEngine
@@ -167,14 +168,13 @@ def _prefetch(state: OffloadableLayerState) -> None:
 
 
 def _checked_chunk_bytes(chunk_bytes: object) -> int | None:
-    if chunk_bytes is not None and (
-        isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1
-    ):
+    whole = integer(chunk_bytes)
+    if chunk_bytes is not None and (whole is None or whole < 1):
         raise ValueError(
             f"cpu_offload: chunk_bytes must be an int >= 1, or None (chunks that grow "
             f"with the forward), got {chunk_bytes!r}."
         )
-    return chunk_bytes
+    return whole
 
 
 def _chunks(chunk_bytes: int | None) -> str:

@@ -71,11 +71,12 @@ def test_every_relative_link_and_image_of_the_docs_is_in_the_repository():
     assert not dangling, dangling
 
 
-def test_the_readme_says_what_this_is_and_how_to_run_it_in_its_first_25_lines():
+def test_the_readme_says_what_this_is_and_how_to_run_it_on_its_first_screen():
     """What the tool does and for whom, the CPU torch note above the two commands (the test
     command installs every host library its count covers), an example on a Hugging Face
-    model that prints its report, and the memory budget's one line."""
-    first = (ROOT / "README.md").read_text().splitlines()[:25]
+    model that prints its report, the memory budget: what it counts and what "auto" is, and
+    that no prediction has been checked on a GPU at the torch version CI runs."""
+    first = (ROOT / "README.md").read_text().splitlines()[:45]
     text = "\n".join(first)
     assert "moves the activations" in text and "for training whose activations" in text
     note = next(i for i, line in enumerate(first) if "pip install torch==" in line)
@@ -86,3 +87,8 @@ def test_the_readme_says_what_this_is_and_how_to_run_it_in_its_first_25_lines():
     assert re.search(r"\d+ passed, \d+ skipped", first[commands[1]])
     assert "from transformers import" in text and "print(handle.report())" in text
     assert 'offload_layers(model, memory_budget="' in text
+    assert "on\ntop of what the step starts with (weights, gradients, optimizer state)" in text
+    assert '`memory_budget="auto"` is the device\'s free memory' in text
+    assert "--index-url https://download.pytorch.org/whl/cpu" in text  # not a CUDA build
+    torch_ci = re.search(r"torch==(\d+\.\d+)", (ROOT / ".ci" / "run").read_text())[1]
+    assert f"none has been\nchecked on a GPU at torch {torch_ci}" in text

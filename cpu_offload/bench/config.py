@@ -124,14 +124,7 @@ def _parser() -> Parser:
         prog="python -m cpu_offload.bench",
         description="Benchmark activation offload against the peers on a Llama-like stack.",
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    for name in ("hidden", "heads", "kv-heads", "ffn", "seq", "batch", "layers", "steps"):
-        parser.add_argument(f"--{name}", type=at_least(1), default=None)
-    parser.add_argument("--warmup", type=at_least(0), default=None)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
-    parser.add_argument(
-        "--offload", type=int_list(1), default=None, help="comma-separated k values for ours"
-    )
+    _add_model_flags(parser)
     parser.add_argument(
         "--threads",
         type=at_least(1),
@@ -144,10 +137,20 @@ def _parser() -> Parser:
         default="none,offload,save_on_cpu,checkpoint,torchtune",
         help="comma-separated: none, offload (one mode per k), offload:K, save_on_cpu, "
         "checkpoint, torchtune, trl, hf_offload (--simulate: without offload, the peers side "
-        "by side with ours at each peer's memory)",
+        "by side with ours at each peer's memory) (default %(default)s)",
     )
-    parser.add_argument("--device", type=device, default=None, help="cpu, cuda, npu, xpu")
-    parser.add_argument("--min-offload-numel", type=at_least(0), default=DEFAULT_MIN_OFFLOAD_NUMEL)
+    parser.add_argument(
+        "--device",
+        type=device,
+        default=None,
+        help="cpu, cuda, npu, xpu (default: the best available)",
+    )
+    parser.add_argument(
+        "--min-offload-numel",
+        type=at_least(0),
+        default=DEFAULT_MIN_OFFLOAD_NUMEL,
+        help="smaller saved tensors stay on the device (default %(default)s)",
+    )
     parser.add_argument(
         "--ceiling-mib",
         type=at_least(1),
@@ -161,16 +164,19 @@ def _parser() -> Parser:
         default="time",
         help="--preset hooks: wall time of interleaved steps, or instructions counted by "
         "valgrind's callgrind (repeatable on a loaded machine; CPU thread time without "
-        "valgrind)",
+        "valgrind) (default %(default)s)",
     )
     parser.add_argument(
-        "--json", type=output_file, default=None, help="write all figures to this file"
+        "--json",
+        type=output_file,
+        default=None,
+        help="write all figures to this file (default: none written)",
     )
     parser.add_argument(
         "--plot",
         type=plot_file,
         default=None,
-        help="write the plots to this file (.png, .pdf, ...)",
+        help="write the plots to this file (.png, .pdf, ...; default: none drawn)",
     )
     parser.add_argument(
         "--simulate",
@@ -178,7 +184,7 @@ def _parser() -> Parser:
         default=None,
         help=f"run the offload code on a modeled accelerator instead ({', '.join(PROFILES)}, "
         "or a JSON file of `python -m cpu_offload.check`): every k, shapes only, beside "
-        "the planner's prediction",
+        "the planner's prediction (default: run on the device)",
     )
     parser.add_argument(
         "--memory-budget",
@@ -195,22 +201,7 @@ def _parser() -> Parser:
         default=None,
         help="--simulate: write the modeled timelines as Chrome-trace JSON (Perfetto)",
     )
-    pipeline = parser.add_argument_group(
-        "pipeline parallelism (--simulate)",
-        "model each stage's order of forwards and backwards (docs/pipeline.md)",
-    )
-    pipeline.add_argument("--pipeline-stages", type=at_least(2), default=None, metavar="P")
-    pipeline.add_argument("--microbatches", type=at_least(1), default=None, metavar="M")
-    pipeline.add_argument(
-        "--schedule", choices=["1f1b", "interleaved", "gpipe", "zbv"], default=None
-    )
-    pipeline.add_argument(
-        "--virtual-stages",
-        type=at_least(2),
-        default=None,
-        metavar="V",
-        help="--schedule interleaved: stages per rank (2)",
-    )
+    _add_pipeline_flags(parser)
     return parser
 
 
@@ -346,4 +337,78 @@ def modeling_line(profile_name: str, runtime: str, config: BenchConfig, what: st
         f"modeling {profile_name} ({runtime}), preset {config.preset}: {config.layers} "
         f"layers, hidden {config.hidden}, seq {config.seq}, batch {config.batch}, "
         f"{config.dtype}; {what}"
+    )
+
+
+def _add_model_flags(parser: Parser) -> None:
+    """The preset and the flags that override its shapes and its run."""
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="the model and run (default tiny: {layers} Llama layers of hidden {hidden} at "
+        "seq {seq}, {dtype}, seconds on a CPU; llama8b-layer: Llama-3-8B's layer shapes, for "
+        "--simulate or a GPU; hooks: the host cost per tensor). The flags below override "
+        "its values".format(**PRESETS["tiny"]),
+    )
+    said = {
+        "hidden": "hidden size",
+        "heads": "attention heads",
+        "kv-heads": "key/value heads",
+        "ffn": "MLP intermediate size",
+        "seq": "tokens per sample",
+        "batch": "samples per step",
+        "layers": "decoder layers",
+        "steps": "measured steps",
+    }
+    for name, what in said.items():
+        parser.add_argument(
+            f"--{name}", type=at_least(1), default=None, help=f"{what} (default: the preset's)"
+        )
+    parser.add_argument(
+        "--warmup", type=at_least(0), default=None, help="unmeasured steps (default: the preset's)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="activations' dtype (default: the preset's)",
+    )
+    parser.add_argument(
+        "--offload",
+        type=int_list(1),
+        default=None,
+        help="comma-separated k values for ours (default: the preset's; with --simulate every k)",
+    )
+
+
+def _add_pipeline_flags(parser: Parser) -> None:
+    """The pipeline's flags (--simulate)."""
+    pipeline = parser.add_argument_group(
+        "pipeline parallelism (--simulate)",
+        "model each stage's order of forwards and backwards (docs/pipeline.md)",
+    )
+    pipeline.add_argument(
+        "--pipeline-stages",
+        type=at_least(2),
+        default=None,
+        metavar="P",
+        help="stages that --layers are split into, whole layers each (with --microbatches; "
+        "default: no pipeline)",
+    )
+    pipeline.add_argument(
+        "--microbatches", type=at_least(1), default=None, metavar="M", help="per step"
+    )
+    pipeline.add_argument(
+        "--schedule",
+        choices=["1f1b", "interleaved", "gpipe", "zbv"],
+        default=None,
+        help="the order of each stage's passes (default 1f1b)",
+    )
+    pipeline.add_argument(
+        "--virtual-stages",
+        type=at_least(2),
+        default=None,
+        metavar="V",
+        help="--schedule interleaved: stages per rank (2)",
     )

@@ -2,8 +2,13 @@
 command-line flags that take one.
 
 In the API an amount is a number of bytes (an int, a NumPy integer, or a whole float)
-or a string with its unit (``"20GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"4096B"``:
-KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB of 1000, case and spaces ignored).
+or a string with its unit (``"20GiB"``, ``"20G"``, ``"512MiB"``, ``"1.5GB"``, ``"4096B"``,
+``"1e9"``).  One rule for units, case and spaces ignored: KiB/MiB/GiB/TiB and the bare
+letters K/M/G/T (and Ki/Mi/Gi/Ti) are powers of 1024, as Slurm's ``--mem=20G`` and
+``free -h`` write them; kB/MB/GB/TB are powers of 1000; B is bytes.  A number in a
+string is what the same number is outside one (``"1e9"`` is ``1e9``), and an integer
+of any integer type (a NumPy integer too) is an int, here and for every count the API
+takes (``keep_passes=``, ``reload_slice_bytes=``).
 A number under :data:`MIN_BARE_BYTES` (1 MiB) other than 0 is refused: ``20`` is far
 more likely meant as 20 GiB than as 20 bytes, so the message says the unit is bytes and
 suggests ``"20GiB"``; a string says its unit, and any size may be written so.  A
@@ -21,7 +26,16 @@ import math
 import numbers
 import re
 
-__all__ = ["AUTO", "FORMS", "MIN_BARE_BYTES", "UNITS", "parse_bytes", "parse_flag_bytes", "size"]
+__all__ = [
+    "AUTO",
+    "FORMS",
+    "MIN_BARE_BYTES",
+    "UNITS",
+    "integer",
+    "parse_bytes",
+    "parse_flag_bytes",
+    "size",
+]
 
 #: the word for an amount read from the machine: memory_budget= (free device memory),
 #: max_host_bytes= (the rank's share of the node's host memory)
@@ -42,9 +56,26 @@ UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_AMOUNT = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?")
+UNITS.update({letter: UNITS[f"{letter}ib"] for letter in "kmgt"})  # Slurm's 20G: GiB
+UNITS.update({f"{letter}i": UNITS[f"{letter}ib"] for letter in "kmgt"})  # free -h's 20Gi
+_AMOUNT = re.compile(r"((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([kmgt]i?b?|b)?")
 #: what an amount may be, for messages
 FORMS = "a number of bytes (an int >= 1 MiB, or 0), or a string such as '20GiB' or '512MiB'"
+
+
+def integer(value: object) -> int | None:
+    """``value`` as an int when it is an integer of any integer type (an int, a NumPy
+    integer), not a bool; None otherwise.  The one test of "an int" for every count the
+    API takes.
+
+    Example:
+        >>> import numpy as np
+        >>> integer(np.int64(3)), integer(True), integer(3.0)
+        (3, None, None)
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
 
 
 def size(nbytes: float) -> str:

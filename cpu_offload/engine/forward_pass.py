@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable
 
@@ -13,8 +12,6 @@ from ..report.step_record import Measured, StepRecord
 from .layer_state import OffloadableLayerState
 
 __all__ = ["ForwardPass", "GraphToken"]
-
-_pass_ids = itertools.count()
 
 
 class GraphToken:
@@ -32,7 +29,8 @@ class ForwardPass:
     schedules) without touching each other's memory.
 
     Attributes:
-        index: a number unique to this pass within the process.
+        index: the pass's number, counted per synchronizer from 0 (a handle's first
+            step is its forward pass 0).
         layer_states: one state per layer (see :meth:`state`).
         model_layers: how many.
         layers_forwarded: how many layers' forwards have started.
@@ -49,9 +47,12 @@ class ForwardPass:
     """
 
     def __init__(
-        self, model_layers: int, make_state: Callable[[int, str], OffloadableLayerState]
+        self,
+        model_layers: int,
+        make_state: Callable[[int, str], OffloadableLayerState],
+        index: int,
     ) -> None:
-        self.index = next(_pass_ids)
+        self.index = index
         self._make_state = make_state
         self._states: list[OffloadableLayerState | None] = [None] * model_layers
         self.model_layers = model_layers

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..device.amounts import integer
 from ..device.backend import DeviceBackend, Stream
 from ..device.host_cap import host_cap_bytes
 from ..device.runtime import get_backend
@@ -51,9 +52,10 @@ def said_host_cap(given: object, host_cap: int | None) -> str:
 def check_count(name: str, value: object, expected: str) -> None:
     """``value`` is a count (of bytes, of elements): an int >= 0, not a bool
     (TypeError, else ValueError)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    whole = integer(value)
+    if whole is None:
         raise TypeError(f"cpu_offload: {name} must be {expected}, got {value!r}.")
-    if value < 0:
+    if whole < 0:
         raise ValueError(f"cpu_offload: {name} must be {expected}, got {value!r}.")
 
 
@@ -115,11 +117,7 @@ class OffloadEngine:
                 f"torch.cuda.Stream()), got {type(offload_stream).__name__} {offload_stream!r}. "
                 "Pass None to let the offloader create one."
             )
-        if (
-            isinstance(min_offload_numel, bool)
-            or not isinstance(min_offload_numel, int)
-            or min_offload_numel < 0
-        ):
+        if integer(min_offload_numel) is None or min_offload_numel < 0:
             raise ValueError(
                 f"cpu_offload: min_offload_numel must be an int >= 0, got {min_offload_numel!r}."
             )

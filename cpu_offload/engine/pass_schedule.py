@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..device.amounts import integer
 from ..log import warn
 from ..report.stats import OffloadStats
 from .forward_pass import ForwardPass
@@ -46,19 +47,19 @@ def check_keep_passes(keep_passes: object, owner: str = "cpu_offload") -> int | 
     """``keep_passes`` after checking it is None or an int >= 1 (TypeError, ValueError)."""
     if keep_passes is None:
         return None
-    if isinstance(keep_passes, bool) or not isinstance(keep_passes, int):
+    if (whole := integer(keep_passes)) is None:
         raise TypeError(
             f"{owner}: keep_passes must be an int >= 1 (the forward passes in flight that "
             f"keep the per-layer schedule) or None, got {type(keep_passes).__name__} "
             f"{keep_passes!r}."
         )
-    if keep_passes < 1:
+    if whole < 1:
         raise ValueError(
             f"{owner}: keep_passes must be an int >= 1 (the forward passes in flight that "
             f"keep the per-layer schedule; the pass whose backward is next always does), "
             f"got {keep_passes!r}. Pass None to offload every pass by the per-layer schedule."
         )
-    return keep_passes
+    return whole
 
 
 def moves_whole(position: int, keep_passes: int | None) -> bool:

@@ -44,6 +44,7 @@ from typing import Any, cast
 
 import torch
 
+from ..device.amounts import integer, parse_bytes
 from ..report.step_record import SaveCounts
 from .layer_data import CopyingLayer, LayerData, copy_timed, hand_out
 
@@ -51,14 +52,27 @@ __all__ = ["SlicedReload", "check_on_demand", "check_slice_bytes", "slice_source
 
 
 def check_slice_bytes(value: object, api: str) -> int | None:
-    """``reload_slice_bytes=`` checked: None (whole-layer reloads) or an int >= 1."""
+    """``reload_slice_bytes=`` checked: None (whole-layer reloads), an int >= 1 (of any
+    integer type) or a size string (``"64MiB"``, as amounts of memory are written)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, str):
+        try:  # the string of a number is that number: bytes, as an int here is
+            number = float(value)
+        except ValueError:
+            value = parse_bytes(value, "reload_slice_bytes", api)
+        else:
+            value = int(number) if number.is_integer() else value
+    if isinstance(value, str):
+        raise ValueError(f"{api}: reload_slice_bytes={value!r} is not a whole number of bytes.")
+    elif (whole := integer(value)) is None:
         raise TypeError(
-            f"{api}: reload_slice_bytes must be None (reload each offloaded layer whole) or "
-            f"an int of bytes >= 1, got {type(value).__name__} {value!r}."
+            f"{api}: reload_slice_bytes must be None (reload each offloaded layer whole), "
+            f"an int of bytes >= 1 or a size such as '64MiB', got {type(value).__name__} "
+            f"{value!r}."
         )
+    else:
+        value = whole
     if value < 1:
         raise ValueError(
             f"{api}: reload_slice_bytes must be >= 1 (bytes per slice of a reloaded layer), "
@@ -77,13 +91,16 @@ def check_on_demand(
             f"{api}: reload_on_demand_layers must be a sequence of layer indices, got "
             f"{type(value).__name__} {value!r}."
         )
-    indices = list(value)
-    for index in indices:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < layers:
+    given = list(value)
+    indices: list[int] = []
+    for index in given:
+        whole = integer(index)
+        if whole is None or not 0 <= whole < layers:
             raise ValueError(
                 f"{api}: reload_on_demand_layers must hold layer indices in [0, {layers}), "
-                f"got {index!r} in {indices!r}."
+                f"got {index!r} in {given!r}."
             )
+        indices.append(whole)
     if indices and slice_bytes is None:
         raise ValueError(
             f"{api}: reload_on_demand_layers={indices!r} says which layers reloaded in "

@@ -8,6 +8,7 @@ as long as its autograd graph.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import defaultdict
@@ -48,6 +49,22 @@ class _ForwardInProgress:
         self.current: ForwardPass | None = None
         self.finished: weakref.ref[ForwardPass] | None = None  # the last pass whose forward ended
         self.backward: weakref.ref[ForwardPass] | None = None  # the pass backward reached last
+
+
+def _pass_in_flight(passes: list[ForwardPass], index: int | None) -> ForwardPass:
+    """The pass of ``passes`` numbered ``index`` (None: the latest), or the error that
+    says there is none."""
+    if index is None and passes:
+        return passes[-1]
+    for candidate in passes if index is not None else []:
+        if candidate.index == index:
+            return candidate
+    raise CpuOffloadError(
+        f"cpu_offload: no forward pass {'in flight' if index is None else index}"
+        f" (in flight: {[p.index for p in passes]}). A pass lives while its autograd "
+        "graph does: call the sync function on each layer's output, and address a "
+        "pass before its backward has finished."
+    )
 
 
 class OffloadSynchronizer(OffloadEngine):
@@ -104,6 +121,7 @@ class OffloadSynchronizer(OffloadEngine):
         self._forwarding = PerThread(_ForwardInProgress)
         self._driven_by_hand: ForwardPass | None = None  # see bwd_step
         self._passes: list[weakref.ref[ForwardPass]] = []  # in flight, oldest first
+        self._numbers = itertools.count()
         self._passes_lock = threading.Lock()
         self.keep_passes: int | None = None  # NOTE [Moving a pass whole] in pass_schedule.py
         self.pass_schedule: PassSchedule | None = None
@@ -116,7 +134,8 @@ class OffloadSynchronizer(OffloadEngine):
     # ------------------------------------------------------------ passes
 
     def _new_pass(self) -> ForwardPass:
-        forward_pass = ForwardPass(self.model_layers, self.new_layer_state)
+        # numbered per synchronizer: a handle's first step is its forward pass 0
+        forward_pass = ForwardPass(self.model_layers, self.new_layer_state, next(self._numbers))
         if self.pass_schedule is not None:
             self.pass_schedule.pass_starts(forward_pass, self.waiting_passes())
         with self._passes_lock:
@@ -139,20 +158,7 @@ class OffloadSynchronizer(OffloadEngine):
         """A pass given as object or index; ``None`` means the latest one."""
         if isinstance(forward_pass, ForwardPass):
             return forward_pass
-        passes = self.in_flight_passes()
-        if forward_pass is None:
-            if passes:
-                return passes[-1]
-        else:
-            for candidate in passes:
-                if candidate.index == forward_pass:
-                    return candidate
-        raise CpuOffloadError(
-            f"cpu_offload: no forward pass {'in flight' if forward_pass is None else forward_pass}"
-            f" (in flight: {[p.index for p in passes]}). A pass lives while its autograd "
-            "graph does: call the sync function on each layer's output, and address a "
-            "pass before its backward has finished."
-        )
+        return _pass_in_flight(self.in_flight_passes(), forward_pass)
 
     @property
     def layer_states(self) -> list[OffloadableLayerState]:

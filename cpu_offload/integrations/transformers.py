@@ -24,7 +24,26 @@ from ..layer_hooks import OffloadLayersHandle, offload_layers
 from ..report.stats import OffloadStats
 from ..report.step_report import StepReport
 
-__all__ = ["OffloadCallback"]
+__all__ = ["LOG_KEYS", "SHORT_LOG_KEYS", "OffloadCallback", "logged_scalars"]
+
+#: what ``OffloadCallback(log_keys=...)`` takes
+LOG_KEYS = ("short", "all", "none")
+#: the report's scalars logged by default (``step`` as ``micro_batch``)
+SHORT_LOG_KEYS = ("step", "moved_bytes", "kept_bytes", "host_reserved_bytes", "device_peak_bytes")
+
+
+def logged_scalars(scalars: dict[str, int], log_keys: str) -> dict[str, int]:
+    """A report's ``to_dict()`` as ``OffloadCallback`` logs it: under ``cpu_offload/`` keys,
+    ``step`` (micro-batches) as ``micro_batch``, the keys ``log_keys`` asks for.
+
+    Example:
+        >>> logged_scalars({"step": 3, "moved_bytes": 8, "saved_bytes": 9}, "short")
+        {'cpu_offload/micro_batch': 3, 'cpu_offload/moved_bytes': 8}
+    """
+    if log_keys == "none":
+        return {}
+    kept = scalars if log_keys == "all" else {k: scalars[k] for k in SHORT_LOG_KEYS if k in scalars}
+    return {f"cpu_offload/{'micro_batch' if k == 'step' else k}": v for k, v in kept.items()}
 
 
 class OffloadCallback(TrainerCallback):  # type: ignore[misc]
@@ -43,11 +62,18 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
         memory_budget: instead of ``k``: bytes, a string such as ``"20GiB"``, or
             ``"auto"``; the first training step is measured and the policy chosen from
             the second (``callback.handle.plan``; docs/planning.md).
+        log_keys: ``"short"`` (the default), ``"all"`` or ``"none"``: which of the report's
+            scalars each logged line gets.
         **options: keyword arguments of :func:`~cpu_offload.get_cpu_offload_context`.
 
-    At each logging step (``on_log``) it adds the scalars of the last step's report
+    At each logging step (``on_log``) it adds scalars of the last step's report
     (:meth:`report`, ``to_dict()``) to the Trainer's logs under ``cpu_offload/`` keys:
-    ``log_history`` has them, and so do the callbacks that run after this one.
+    ``log_history`` has them, and so do the callbacks that run after this one.  By default
+    a short set (:data:`SHORT_LOG_KEYS`: the micro-batches so far, bytes moved and kept,
+    host memory reserved, the device's peak where known); ``log_keys="all"`` adds every
+    scalar of ``to_dict()``, ``log_keys="none"`` none.  The report's ``step`` counts
+    forward passes and their backwards, micro-batches, where the Trainer's ``step`` counts
+    optimizer steps: it is logged as ``cpu_offload/micro_batch``.
     transformers runs the reporting callbacks of ``report_to`` (W&B, TensorBoard) before
     the ones passed in ``callbacks=``; to have the keys there too, put this one first:
     ``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(callback))``.
@@ -63,8 +89,14 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
         num_offloaded_layers: int | float | None = None,
         *,
         memory_budget: int | str | None = None,
+        log_keys: str = "short",
         **options: Any,
     ) -> None:
+        if log_keys not in LOG_KEYS:
+            raise ValueError(
+                f"OffloadCallback: log_keys must be one of {', '.join(map(repr, LOG_KEYS))} "
+                f"(the report's scalars each logged line gets), got {log_keys!r}."
+            )
         if (num_offloaded_layers is None) == (memory_budget is None):
             raise TypeError(
                 "OffloadCallback: pass either num_offloaded_layers (k) or memory_budget=..., "
@@ -72,6 +104,7 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
             )
         self.num_offloaded_layers = num_offloaded_layers
         self.memory_budget = memory_budget
+        self.log_keys = log_keys
         self.options = options
         self.handle: OffloadLayersHandle | None = None
         self.stats: OffloadStats | None = None
@@ -87,7 +120,7 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if logs is None or self.handle is None:
             return
-        scalars = {f"cpu_offload/{k}": v for k, v in self.handle.report().to_dict().items()}
+        scalars = logged_scalars(self.handle.report().to_dict(), self.log_keys)
         history = state.log_history
         if history and logs.keys() <= history[-1].keys():  # the entry Trainer.log just made
             history[-1].update(scalars)
@@ -99,7 +132,8 @@ class OffloadCallback(TrainerCallback):  # type: ignore[misc]
             if self.memory_budget is not None
             else repr(self.num_offloaded_layers)
         )
-        options = "".join(f", {name}={value!r}" for name, value in self.options.items())
+        logged = "" if self.log_keys == "short" else f", log_keys={self.log_keys!r}"
+        options = logged + "".join(f", {name}={value!r}" for name, value in self.options.items())
         where = f"training: {self.handle!r}" if self.handle is not None else "not training"
         return f"OffloadCallback({chosen}{options}; {where})"
 

@@ -70,7 +70,16 @@ def parse_memory_budget(value: object, api: str) -> int | str:
     """
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
-    return parse_bytes(value, "memory_budget", api, forms=f"{FORMS}, or 'auto'")
+    budget = parse_bytes(value, "memory_budget", api, forms=f"{FORMS}, or 'auto'")
+    if budget == 0:
+        raise ValueError(
+            f"{api}: memory_budget={value!r} is 0 bytes for saved activations, which no "
+            "policy can meet (a layer's activations are on the device during its "
+            "backward). For as much offload as the planner finds, give a small budget "
+            "such as '1GiB' (the closest policy runs, with a warning); for a fixed number of "
+            "offloaded layers, pass num_layers instead."
+        )
+    return budget
 
 
 def free_device_memory(backend: DeviceBackend) -> int | None:

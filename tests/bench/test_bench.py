@@ -242,3 +242,14 @@ def test_counting_instructions_needs_the_hooks_preset(capsys):
         main(["--preset", "tiny", "--count", "instructions"])
     assert exit_info.value.code == 2
     assert "--count instructions: counts the hooks preset only" in capsys.readouterr().err
+
+
+def test_every_flag_of_bench_help_says_what_it_does_and_its_default():
+    from cpu_offload.bench.config import _parser
+
+    actions = [a for a in _parser()._actions if a.option_strings and a.dest != "help"]
+    assert all(a.help for a in actions), [a.dest for a in actions if not a.help]
+    defaults = [a for a in actions if a.default not in (None, False) and a.dest != "threads"]
+    assert all("default" in a.help for a in defaults), [a.dest for a in defaults]
+    (preset,) = [a for a in actions if a.dest == "preset"]
+    assert "default tiny: 4 Llama layers of hidden 256 at seq 512, fp32" in preset.help

@@ -107,3 +107,77 @@ def test_a_bare_overhead_above_one_is_refused(capsys):
 def test_the_benchmark_takes_sizes_too():
     config = bench_args(["--preset", "tiny", "--simulate", "h100", "--memory-budget", "0.5,512MiB"])
     assert config.memory_budget == [0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("20G", 20 * 2**30),  # Slurm's --mem=20G, free -h: GiB
+        ("20Gi", 20 * 2**30),
+        ("20 g", 20 * 2**30),
+        ("20GiB", 20 * 2**30),
+        ("20GB", 20 * 10**9),
+        ("1.5T", int(1.5 * 2**40)),
+        ("512M", 512 * 2**20),
+        ("1e9", 10**9),  # the string of a number is that number
+        ("2.5e3MiB", 2500 * 2**20),
+    ],
+    ids=str,
+)
+def test_one_rule_for_units_in_the_api_and_the_flags(text, expected):
+    assert parse_bytes(text, "memory_budget", "f") == expected
+    bare = text.replace(".", "").replace("e", "").isdigit()  # a bare number on a flag is GiB
+    assert parse_flag_bytes(text, "--memory-budget") == expected * (2**30 if bare else 1)
+    handle = offload_layers(layers(), 1, max_host_bytes=text)
+    assert f"host_cap_bytes={expected}" in repr(handle)
+    handle.remove()
+
+
+def test_a_number_and_its_string_are_one_amount():
+    assert parse_bytes("1e9", "memory_budget", "f") == parse_bytes(1e9, "memory_budget", "f")
+    with pytest.raises(ValueError, match=r"memory_budget=1000 would be 1000 bytes"):
+        parse_bytes("1e3", "memory_budget", "f")
+
+
+def test_numpy_integers_are_ints_for_every_count():
+    handle = offload_layers(layers(), 1, keep_passes=np.int64(1), max_host_bytes=np.int64(2**30))
+    assert "keep 1 pass" in repr(handle), repr(handle)
+    handle.remove()
+    _, _, controller = get_cpu_offload_context(
+        True,
+        1,
+        3,
+        manual_synchronization=True,
+        min_offload_numel=np.int64(16),
+        reload_slice_bytes=np.int64(4096),
+        reload_on_demand_layers=[np.int64(0)],
+    )
+    assert type(controller.reload_slice_bytes) is int and controller.reload_slice_bytes == 4096
+    assert controller.reload_on_demand_layers == {0}
+    with pytest.raises(TypeError, match="keep_passes must be an int >= 1"):
+        offload_layers(layers(), 1, keep_passes=1.0)
+    with pytest.raises(TypeError, match="reload_slice_bytes must be None"):
+        offload_layers(layers(), 1, reload_slice_bytes=4096.0)
+
+
+def test_reload_slice_bytes_takes_a_size_string():
+    _, _, controller = get_cpu_offload_context(
+        True, 1, 3, manual_synchronization=True, reload_slice_bytes="1MiB"
+    )
+    assert controller.reload_slice_bytes == 2**20
+    for text, expected in (("64", 64), ("1e3", 1000)):  # a number's string: bytes, as the int
+        _, _, controller = get_cpu_offload_context(
+            True, 1, 3, manual_synchronization=True, reload_slice_bytes=text
+        )
+        assert controller.reload_slice_bytes == expected
+    with pytest.raises(ValueError, match="reload_slice_bytes='64.5' is not a whole number"):
+        get_cpu_offload_context(True, 1, 3, reload_slice_bytes="64.5")
+
+
+def test_a_zero_memory_budget_says_what_it_would_mean():
+    with pytest.raises(ValueError) as raised:
+        offload_layers(layers(), memory_budget=0)
+    assert str(raised.value).startswith(
+        "offload_layers: memory_budget=0 is 0 bytes for saved activations, which no policy can meet"
+    )
+    assert "pass num_layers instead" in str(raised.value)

@@ -202,11 +202,12 @@ def test_slices_take_tensors_in_reverse_pack_order():
     "value, error, message",
     [
         (
-            "64MiB",
+            64.0,
             TypeError,
-            "reload_slice_bytes must be None (reload each offloaded layer "
-            "whole) or an int of bytes >= 1, got str '64MiB'",
+            "reload_slice_bytes must be None (reload each offloaded layer whole), an int "
+            "of bytes >= 1 or a size such as '64MiB', got float 64.0",
         ),
+        ("64 apples", ValueError, "reload_slice_bytes='64 apples' is not a size"),
         (True, TypeError, "got bool True"),
         (
             0,

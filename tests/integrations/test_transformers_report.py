@@ -48,25 +48,56 @@ class Later(transformers.TrainerCallback):
         self.logs.append(dict(logs or {}))
 
 
-def test_a_trainer_logs_the_report_under_cpu_offload_keys(tmp_path):
+@pytest.mark.parametrize("log_keys", ["short", "all", "none"])
+def test_a_trainer_logs_the_report_under_cpu_offload_keys(tmp_path, log_keys):
     from cpu_offload.integrations.transformers import OffloadCallback
 
-    callback, later = OffloadCallback(2, min_offload_numel=0), Later()
-    assert repr(callback) == "OffloadCallback(2, min_offload_numel=0; not training)"
-    args = trainer_args(tmp_path, logging_steps=1)
+    callback, later = OffloadCallback(2, min_offload_numel=0, log_keys=log_keys), Later()
+    said = "" if log_keys == "short" else f", log_keys={log_keys!r}"
+    assert repr(callback) == f"OffloadCallback(2{said}, min_offload_numel=0; not training)"
+    args = trainer_args(tmp_path, logging_steps=1, gradient_accumulation_steps=2)
     trainer = transformers.Trainer(
         model=llama(), args=args, train_dataset=Tokens(8, 16), callbacks=[callback, later]
     )
     trainer.train()
     training_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert len(training_logs) == 2
-    for entry in training_logs:
+    assert [entry["step"] for entry in training_logs] == [1, 2]  # the optimizer's steps
+    ours = [{k: v for k, v in e.items() if k.startswith("cpu_offload/")} for e in training_logs]
+    assert callback.handle is None and callback.report().step == 4  # kept after training
+    if log_keys == "none":
+        assert ours == [{}, {}] and all("cpu_offload/micro_batch" not in e for e in later.logs)
+        return
+    # two micro-batches per optimizer step: the report's step counts micro-batches
+    assert [entry["cpu_offload/micro_batch"] for entry in ours] == [2, 4]
+    assert all("cpu_offload/moved_bytes" in logs for logs in later.logs)
+    if log_keys == "short":
+        assert all(
+            set(entry)
+            == {
+                "cpu_offload/micro_batch",
+                "cpu_offload/moved_bytes",
+                "cpu_offload/kept_bytes",
+                "cpu_offload/host_reserved_bytes",
+            }
+            for entry in ours
+        ), ours
+        assert all(entry["cpu_offload/moved_bytes"] > 0 for entry in ours)
+        return
+    for entry in ours:
         assert entry["cpu_offload/saved_tensors"] > entry["cpu_offload/moved_tensors"] > 0
         assert (
             entry["cpu_offload/moved_tensors"] + entry["cpu_offload/kept_tensors"]
             == entry["cpu_offload/saved_tensors"]
         )
-        assert "cpu_offload/host_reserved_bytes" in entry
-    assert [entry["cpu_offload/step"] for entry in training_logs] == [1, 2]
-    assert all("cpu_offload/moved_bytes" in logs for logs in later.logs)
-    assert callback.handle is None and callback.report().step == 2  # kept after training
+        assert "cpu_offload/host_reserved_bytes" in entry and "cpu_offload/step" not in entry
+
+
+def test_log_keys_is_checked():
+    from cpu_offload.integrations.transformers import OffloadCallback
+
+    with pytest.raises(ValueError) as raised:
+        OffloadCallback(2, log_keys="everything")
+    assert str(raised.value) == (
+        "OffloadCallback: log_keys must be one of 'short', 'all', 'none' (the report's "
+        "scalars each logged line gets), got 'everything'."
+    )

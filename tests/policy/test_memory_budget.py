@@ -374,7 +374,8 @@ def test_auto_needs_a_runtime_that_reports_free_memory():
         (2e6, 2_000_000),
         (np.int64(2**30), 2**30),
         (np.uint32(2**21), 2**21),
-        (0, 0),
+        ("20G", 20 * 2**30),
+        ("1e9", 10**9),
         ("AUTO", "auto"),
     ],
 )

@@ -480,3 +480,23 @@ def test_figures_counting_the_same_thing_agree_and_a_schedule_is_said_one_way():
     words = "layers 0-1 offload, 2-3 keep (k=2)"
     assert words in repr(handle) and words in repr(handle.context)
     handle.remove()
+
+
+def test_a_fresh_handle_counts_its_own_passes():
+    """Each handle's report counts its forward passes from 0, whatever ran before it."""
+    firsts = []
+    for _ in range(2):
+        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(3)))
+        handle = offload_layers(model, 1)
+        for _ in range(2):
+            model(torch.randn(512, 512, requires_grad=True)).sum().backward()
+            firsts.append(str(handle.report()).splitlines()[0].split(":")[1])
+        handle.remove()
+    assert (
+        firsts
+        == [
+            " step 1 (forward pass 0 and its backward)",
+            " step 2 (forward pass 1 and its backward)",
+        ]
+        * 2
+    ), firsts
