@@ -35,6 +35,7 @@ NOTE [Layers inside a reentrant checkpoint]
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -48,9 +49,9 @@ from ..hooks.autograd_hooks import (
     push_saved_tensor_hooks,
     top_pack_hook,
 )
+from ..hooks.eager import eager
 from ..hooks.handles import unpack_saved
 from ..hooks.module_hooks import ModuleHook
-from ..hooks.per_thread import PerThread
 from ..log import logger, warn
 from .other_offloaders import other_offloader, other_offloader_warning
 from .planned_synchronizer import PlannedOffloadSynchronizer
@@ -148,7 +149,7 @@ class _Chunk:
             pop_saved_tensor_hooks()
 
 
-class _Current:
+class _Current(threading.local):
     """Per thread: the checkpoint chunk that the last hooked layer ran in."""
 
     chunk: _Chunk | None = None
@@ -163,20 +164,23 @@ class ReentrantCheckpoints:
     def __init__(self, context: OffloadContext) -> None:
         self.context = context
         self.synchronizer = context.offload_synchronizer
-        self._current = PerThread(_Current)
+        self._current = _Current()
         self.chunks = 0  #: checkpoints met whose inputs need gradients
         self._warned = False
         self._warned_peer = False
+        self._checked: set[int] = set()  # layers whose first forward was looked at
 
     def entering(self, module: nn.Module, args: Any) -> None:
         """A layer's forward is about to enter the offload context: take off the pack hook
         the layer before it in a chunk left pushed (or a forward that raised left), and,
         until it is found once, look for another offloader on the layer (NOTE [Two
-        offloaders on one layer]: the hooks around the layer are seen only here)."""
-        chunk = self._current.value.chunk
+        offloaders on one layer]: the hooks around the layer are seen only here), at each
+        layer's first forward with grad enabled."""
+        chunk = self._current.chunk
         if chunk is not None:
             chunk.take_off()
-        if not self._warned_peer and torch.is_grad_enabled():
+        if not self._warned_peer and id(module) not in self._checked and torch.is_grad_enabled():
+            self._checked.add(id(module))
             where = other_offloader(module)
             if where is not None:
                 self._warned_peer = True
@@ -185,15 +189,13 @@ class ReentrantCheckpoints:
     def entered(self, module: nn.Module, args: Any) -> None:
         """A layer's forward has entered the offload context: note the checkpoint it runs
         in, if any."""
-        current = self._current.value
+        current = self._current
         chunk, current.open = current.chunk, False
+        if torch.is_grad_enabled():  # the common case first: no checkpoint's forward
+            current.chunk = None
+            return
         forward_pass = self.synchronizer.current_pass
-        if (
-            not self.context.active
-            or forward_pass is None
-            or torch.is_grad_enabled()
-            or forward_inside_backward()
-        ):
+        if not self.context.active or forward_pass is None or forward_inside_backward():
             current.chunk = None
             return
         ctx = enclosing_checkpoint()
@@ -221,9 +223,11 @@ class ReentrantCheckpoints:
     def left(self, module: nn.Module, args: Any, output: Any) -> None:
         """The layer's forward has left the offload context: leave its pack hook pushed for
         the checkpoint's inputs when the layer is offloaded."""
-        current = self._current.value
+        current = self._current
+        if not current.open:
+            return
         chunk = current.chunk
-        if chunk is None or not current.open:
+        if chunk is None:
             return
         current.open = False
         forward_pass = chunk.forward_pass()
@@ -249,7 +253,7 @@ class ReentrantCheckpoints:
 
     def remove(self) -> None:
         """Take off a pack hook still pushed in this thread (a checkpoint that raised)."""
-        current = self._current.value
+        current = self._current
         if current.chunk is not None:
             current.chunk.take_off()
         current.chunk, current.open = None, False
@@ -281,10 +285,10 @@ def watch_reentrant_checkpoints(layers: list[nn.Module], context: OffloadContext
     """Hook ``layers`` (after :func:`~cpu_offload.offload_layers`' own hooks) for the
     checkpoints they may run in; returns what to ``remove()``."""
     watcher = ReentrantCheckpoints(context)
-    # ModuleHooks: a copy of the model gets pass-throughs (NOTE [Copies of hooked modules])
+    # ModuleHooks: a copy of the model gets pass-throughs (NOTE [Copies of hooked modules]);
+    # run eagerly, never traced (NOTE [Hooks around compiled code])
     first, pre, post = (
-        ModuleHook(torch.compiler.disable(hook))
-        for hook in (watcher.entering, watcher.entered, watcher.left)
+        ModuleHook(eager(hook)) for hook in (watcher.entering, watcher.entered, watcher.left)
     )
     removables: list[Any] = [watcher]
     for layer in layers:
