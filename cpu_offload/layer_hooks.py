@@ -26,6 +26,7 @@ from .policy.handle_summary import found_layers, schedule_of
 from .policy.layer_discovery import locate_layers, primary_tensor
 from .policy.module_choices import ModuleChoices, resolve_modules
 from .policy.policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
+from .policy.reentrant_checkpoint import watch_reentrant_checkpoints
 from .report.step_report import StepReport
 
 if TYPE_CHECKING:
@@ -338,6 +339,7 @@ def offload_layers(
         handle.modules = ModuleChoices(layers, *per_layer, chosen, given=modules)
     if count > 0 or auto is not None:
         handle._watch_for_missed_forwards(unique)
+        handle._hooks += watch_reentrant_checkpoints(unique, handle.context)
     if auto is not None:
         auto.attach(lambda: handle.enabled)  # after the hooks above: its pre-hook runs last
     logger.info("offload_layers: %r", handle)

@@ -45,6 +45,8 @@ _HOOK_MODULES = (
     "cpu_offload.policy.measured_step",
     "cpu_offload.hooks.per_thread",
     "cpu_offload.policy.planned_synchronizer",
+    "cpu_offload.policy.reentrant_checkpoint",
+    "cpu_offload.policy.other_offloaders",
     "cpu_offload.report.profiler_ranges",
     "cpu_offload.hooks.selection",
     "cpu_offload.policy.selective_checkpoint",

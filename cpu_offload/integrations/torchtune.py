@@ -199,7 +199,7 @@ def get_act_offloading_ctx_manager(
     *,
     use_pin_memory: bool = True,
     use_streams: bool = True,
-    min_offload_size: int | None = None,
+    min_offload_size: int = 1024,
     max_fwd_stash_size: int = 5,
     warn_if_no_head: bool = True,
     memory_budget: int | str | None = None,
@@ -218,8 +218,9 @@ def get_act_offloading_ctx_manager(
         use_pin_memory, use_streams, max_fwd_stash_size, warn_if_no_head: TRL's
             keywords, accepted (see :class:`OffloadActivations`; the output head is never
             a decoder layer, so it is never offloaded).
-        min_offload_size: TRL's byte threshold, mapped to ``min_offload_bytes`` (with
-            ``min_offload_numel=0`` unless given).
+        min_offload_size: saved tensors of fewer bytes stay on the device (1,024 by
+            default, as torchtune's and TRL's own contexts do); mapped to
+            ``min_offload_bytes``, with ``min_offload_numel=0`` unless that is given.
         memory_budget: instead of ``k``: bytes, a string such as ``"20GiB"``, or
             ``"auto"``; the first forward inside the context (and its backward) is
             measured and the policy chosen from the next (``ctx.handle.plan``;
@@ -229,10 +230,11 @@ def get_act_offloading_ctx_manager(
     del use_pin_memory, use_streams, max_fwd_stash_size, warn_if_no_head  # see Args
     if not enable_activation_offloading:
         return contextlib.nullcontext()
-    if min_offload_size is not None:  # TRL's threshold in bytes replaces ours in elements
-        check_threshold(min_offload_size, "get_act_offloading_ctx_manager")
-        options.setdefault("min_offload_bytes", min_offload_size)
-        options.setdefault("min_offload_numel", 0)
+    # The hosts' threshold in bytes replaces ours in elements, so that the tensors their
+    # own contexts move are the ones that move here.
+    check_threshold(min_offload_size, "get_act_offloading_ctx_manager")
+    options.setdefault("min_offload_bytes", min_offload_size)
+    options.setdefault("min_offload_numel", 0)
     if memory_budget is not None:
         if num_offloaded_layers is not None:
             raise TypeError(

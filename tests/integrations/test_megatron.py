@@ -194,3 +194,71 @@ def test_offload_layers_finds_megatrons_decoder_layers(megatron):
     for step_expected, step_actual in zip(expected, actual):
         assert all(torch.equal(a, b) for a, b in zip(step_expected, step_actual))
     assert synchronizer.stats.tensors_offloaded > 0
+
+
+def recomputed_gpt(layers_per_chunk: int) -> torch.nn.Module:
+    """The example's GPTModel under ``recompute_granularity="full"`` (Megatron's reentrant
+    ``tensor_parallel.checkpoint`` around chunks of ``layers_per_chunk`` layers)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=layers_per_chunk,
+    )
+    torch.manual_seed(0)
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=128,
+        max_sequence_length=32,
+        position_embedding_type="rope",
+    )
+
+
+@pytest.mark.parametrize("layers_per_chunk", [1, 2])
+def test_full_recompute_moves_the_checkpoints_inputs(megatron, monkeypatch, layers_per_chunk):
+    """Megatron's own cpu_offloading refuses full recompute; offload_layers moves what it
+    keeps: the hidden state each recomputed chunk saves (NOTE [Layers inside a reentrant
+    checkpoint])."""
+    import types
+
+    from megatron.core.tensor_parallel import random
+
+    from cpu_offload import offload_layers
+
+    example, device = megatron
+    # Megatron's checkpoint keeps the CUDA RNG states beside the CPU's: none on a CPU
+    tracker = types.SimpleNamespace(get_states=dict, set_states=lambda states: None)
+    monkeypatch.setattr(random, "get_cuda_rng_tracker", lambda *args, **kwargs: tracker)
+    monkeypatch.setattr(random, "_get_cuda_rng_state", lambda *args, **kwargs: None)
+    monkeypatch.setattr(random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+    data = example.batches(device, 2)
+    expected = example.train(recomputed_gpt(layers_per_chunk).to(device), data)
+    model = recomputed_gpt(layers_per_chunk).to(device)
+    handle = offload_layers(model, 2, min_offload_numel=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = example.train(model, data)
+    # chunks [0], [1] or [0, 1] offloaded: no input stays behind, nothing to say
+    assert not [w for w in caught if str(w.message).startswith("cpu_offload")]
+    for step_expected, step_actual in zip(expected, actual):
+        assert all(torch.equal(a, b) for a, b in zip(step_expected, step_actual))
+    stats = handle.offload_synchronizer.stats
+    hidden_state = 32 * 2 * 64 * 4  # [seq, batch, hidden] fp32, one per offloaded chunk
+    chunks = 2 // layers_per_chunk
+    assert stats.bytes_offloaded >= 2 * chunks * hidden_state
+    assert stats.bytes_reloaded == stats.bytes_offloaded and stats.on_demand_reloads == 0
+    handle.remove()

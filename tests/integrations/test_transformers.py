@@ -37,16 +37,21 @@ def llama_lora():
 
 
 def gradients(model, offload: bool):
-    model.train()
     handle = offload_layers(model, 2, min_offload_numel=0) if offload else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no warning from cpu_offload either
+        grads, _ = gradients_of(model)
+    return grads, handle
+
+
+def gradients_of(model):
+    model.train()
     torch.manual_seed(1)
     ids = torch.randint(0, HF_VOCAB, (2, 32))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no warning from cpu_offload either
         warnings.filterwarnings("ignore", message=".*(deprecated|is_gradient_checkpointing).*")
         model(input_ids=ids, labels=ids).loss.backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    return grads, handle
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None], None
 
 
 @pytest.mark.parametrize("build", [llama, gpt2, llama_lora], ids=["llama", "gpt2", "peft-lora"])
@@ -160,6 +165,31 @@ def test_hugging_face_gradient_checkpointing_offloads_the_checkpoint_inputs():
     assert all(torch.equal(a, b) for a, b in zip(actual, expected))
     stats = handle.offload_synchronizer.stats
     assert 2 <= stats.tensors_offloaded < 10  # the inputs of 2 checkpointed layers, not more
+    handle.remove()
+
+
+def test_transformers_offload_true_beside_ours_says_which_moves_what(monkeypatch):
+    """activation_checkpointing_enable(offload=True) runs the checkpoint inside a
+    save_on_cpu of its own, inside our hooks (NOTE [Two offloaders on one layer])."""
+    from transformers import modeling_utils
+
+    own = torch.autograd.graph.save_on_cpu  # transformers pins: no pinned memory on a CPU
+    monkeypatch.setattr(modeling_utils, "save_on_cpu", lambda **kw: own(device_type="cpu"))
+
+    def offloaded_by_transformers():
+        model = llama()
+        model.activation_checkpointing_enable(offload=True)
+        return model
+
+    expected, _ = gradients(offloaded_by_transformers(), offload=False)
+    with pytest.raises(UserWarning, match=r"offload=True\), whose save_on_cpu takes"):
+        gradients(offloaded_by_transformers(), offload=True)  # warnings are errors there
+    model = offloaded_by_transformers()
+    handle = offload_layers(model, 2, min_offload_numel=0)
+    with pytest.warns(UserWarning, match="cpu_offload moves nothing for this layer"):
+        actual, _ = gradients_of(model)
+    assert all(torch.equal(a, b) for a, b in zip(actual, expected))
+    assert handle.offload_synchronizer.stats.tensors_offloaded == 0
     handle.remove()
 
 

@@ -505,6 +505,55 @@ def checkpoint_around_offloaded_layers(reentrant: bool) -> Callable[[Offload], l
     return program
 
 
+class SavesAfterRunning(torch.autograd.Function):
+    """A reentrant checkpoint as Megatron-Core's ``tensor_parallel.checkpoint`` writes it:
+    the CPU RNG state kept, the layers run under no-grad, the inputs saved after them."""
+
+    @staticmethod
+    def forward(ctx: Any, run_function: Callable, *args: torch.Tensor) -> torch.Tensor:
+        ctx.run_function = run_function
+        ctx.rng_state = torch.get_rng_state()
+        with torch.no_grad():
+            outputs = run_function(*args)
+        ctx.save_for_backward(*args)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        state = torch.get_rng_state()
+        torch.set_rng_state(ctx.rng_state)
+        with torch.enable_grad():
+            outputs = ctx.run_function(*inputs)
+        torch.set_rng_state(state)
+        torch.autograd.backward(outputs, grads)
+        return (None, *(t.grad for t in inputs))
+
+
+def hooks_inside_reentrant_chunks(kind: str) -> Callable[[Offload], list]:
+    """Hooked layers inside reentrant checkpoints of chunks [0], [1, 2] (dropout in every
+    layer): torch's, or one that saves after running its layers (Megatron's shape)."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.GELU())
+            for _ in range(L)
+        ]
+        off.layers(blocks)
+        x = leaf(8, 4)
+        for chunk in (blocks[:1], blocks[1:]):
+            run = functools.partial(functools.reduce, lambda h, block: block(h), chunk)
+            if kind == "torch":
+                x = checkpoint(run, x, use_reentrant=True)
+            else:
+                x = SavesAfterRunning.apply(run, x)
+        x.sum().backward()
+        return [p.grad for b in blocks for p in b.parameters()]
+
+    return program
+
+
 def offloaded_checkpointed_layers(reentrant: bool) -> Callable[[Offload], list]:
     def program(off: Offload) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -1369,7 +1418,13 @@ PROGRAMS = {
     "torch.func.grad, then a step": Row(torch_func_grad_then_a_step),
     "interrupted between layers, then a step": Row(interrupted_between_layers_then_a_step),
     "hooks inside non-reentrant checkpoint": Row(checkpoint_around_offloaded_layers(False), False),
-    "hooks inside reentrant checkpoint": Row(checkpoint_around_offloaded_layers(True), False),
+    "hooks inside reentrant checkpoint": Row(checkpoint_around_offloaded_layers(True)),
+    "hooks inside reentrant checkpoints of 1 and 2 layers, dropout": Row(
+        hooks_inside_reentrant_chunks("torch")
+    ),
+    "hooks inside a checkpoint that saves after running (Megatron's)": Row(
+        hooks_inside_reentrant_chunks("saves after")
+    ),
     "non-reentrant checkpoint inside hooks": Row(offloaded_checkpointed_layers(False)),
     "reentrant checkpoint inside hooks": Row(offloaded_checkpointed_layers(True)),
     "one module at every position": Row(shared_module),
