@@ -63,6 +63,10 @@ class EagerEntry:
         return output
 
 
+#: the attributes wrappers keep their module in: torch.compile, checkpoint_wrapper
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
 class _Removable:
     def __init__(self, remove: Callable[[], None]) -> None:
         self.remove = remove
@@ -143,20 +147,42 @@ class CompiledEntries:
                 found += 1
         if self.container is not None:
             for module in self.container._modules.values():
-                inner = getattr(module, "_orig_mod", None)
-                if module is not None and inner is not None and id(inner) in self.layers:
+                inner = self._wrapped_layer(module)
+                if module is None or inner is None:
+                    continue
+                compiled = module._compiled_call_impl
+                if hasattr(module, "_orig_mod"):  # torch.compile(...)'s OptimizedModule
                     if id(module) not in self._wrapped:
                         self._hook_wrapper(module, inner)
                         found += 1
+                elif compiled is not None and type(compiled) is not EagerEntry:
+                    self._wrap_in_place(module, compiled, inner)
+                    found += 1
         return found
 
-    def _wrap_in_place(self, layer: nn.Module, compiled: Any) -> None:
-        entry = EagerEntry(layer, compiled, self._entered_in_place, self.left)
-        layer._compiled_call_impl = entry
+    def _wrapped_layer(self, module: nn.Module | None) -> nn.Module | None:
+        """The layer that ``module``, in the layers' place in their container, wraps
+        (``torch.compile``, a checkpoint wrapper, both), or None."""
+        if module is None or id(module) in self.layers:
+            return None  # a layer itself
+        for _ in range(4):
+            module = next(
+                (m for a in _WRAPPERS if (m := getattr(module, a, None)) is not None), None
+            )
+            if module is None or id(module) in self.layers:
+                break
+        return None if module is None else self.layers.get(id(module))
+
+    def _wrap_in_place(
+        self, module: nn.Module, compiled: Any, layer: nn.Module | None = None
+    ) -> None:
+        """``module`` (``layer`` or a wrapper of it) compiled in place gets an entry."""
+        entry = EagerEntry(layer or module, compiled, self._entered_in_place, self.left)
+        module._compiled_call_impl = entry
 
         def unwrap() -> None:
-            if layer._compiled_call_impl is entry:
-                layer._compiled_call_impl = compiled
+            if module._compiled_call_impl is entry:
+                module._compiled_call_impl = compiled
 
         self.removers.append(_Removable(unwrap))
 
