@@ -150,3 +150,48 @@ def test_layers_in_a_module_dict_are_found_in_iteration_order():
         "1 MLPBlock at the ModuleDict given (a ModuleDict: layer 0 is key 'only')"
     )
     single.remove()
+
+
+def test_the_context_around_fullgraph_blocks():
+    from cpu_offload import get_cpu_offload_context
+
+    reference = Decoder("list")
+    compile_blocks(reference, "in place", "aot_eager")
+    blocks = reference.blocks()
+
+    def run(ctx=None, sync_fn=None) -> list[torch.Tensor]:
+        reference.zero_grad(set_to_none=True)
+        h = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
+        for block in blocks:
+            if ctx is None:
+                h = block(h)
+                continue
+            with ctx:
+                h = block(h)
+            h = sync_fn(h)
+        h.square().mean().backward()
+        return [p.grad.clone() for p in reference.parameters() if p.grad is not None]
+
+    expected = run()
+    ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0)
+    assert_bit_identical(expected, run(ctx, sync_fn))
+    assert ctx.offload_synchronizer.stats.tensors_offloaded > 0
+
+
+def test_a_list_compiled_after_offloads_from_the_next_step_and_remove_restores():
+    """Given a list (no model whose forward would find them), layers compiled in place
+    after offload_layers are found at the first backward and entered from the next step."""
+    reference = Decoder("list")
+    model = copy.deepcopy(reference)
+    compile_blocks(reference, "in place", "aot_eager")
+    expected = [step(reference, seed) for seed in (1, 2)]
+    handle = offload_layers(model.blocks(), K, min_offload_numel=0)
+    compile_blocks(model, "in place", "aot_eager")
+    compiled = [block._compiled_call_impl for block in model.blocks()]
+    actual = [step(model, seed) for seed in (1, 2)]
+    for want, got in zip(expected, actual):
+        assert_bit_identical(want, got)
+    assert handle.offload_synchronizer.stats.forward_passes == 1  # the second step
+    assert handle.offload_synchronizer.stats.tensors_offloaded > 0
+    handle.remove()
+    assert [block._compiled_call_impl for block in model.blocks()] == compiled
