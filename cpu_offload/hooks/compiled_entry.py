@@ -29,8 +29,9 @@ NOTE [Compiled layers]
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -47,19 +48,20 @@ class EagerEntry:
     """A layer's ``_compiled_call_impl`` that enters the layer around the compiled call."""
 
     def __init__(self, layer: nn.Module, compiled: Any, enter: Enter, leave: Leave) -> None:
-        self.layer = layer
+        self.layer = weakref.ref(layer)  # the layer holds this: no cycle
         self.compiled = compiled
         self.enter = enter
         self.leave = leave
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.enter(self.layer, args)
+        layer = cast(nn.Module, self.layer())  # alive: it calls this
+        self.enter(layer, args)
         try:
             output = self.compiled(*args, **kwargs)
         except Exception:
-            self.leave(self.layer, args, None)  # reads sys.exc_info(), as hooks with always_call
+            self.leave(layer, args, None)  # reads sys.exc_info(), as hooks with always_call
             raise
-        self.leave(self.layer, args, output)
+        self.leave(layer, args, output)
         return output
 
 
@@ -92,14 +94,20 @@ class CompiledEntries:
         enter: Enter,
         leave: Leave,
     ) -> None:
-        self.layers = {id(layer): layer for layer in layers}
-        self._next = {id(a): b for a, b in zip(layers, layers[1:])}
-        self.container = container
+        # Weakly: the layers' hooks hold this, and a model dropped with its handle
+        # (without remove()) goes by reference counting.
+        self.layers = {id(layer): weakref.ref(layer) for layer in layers}
+        self._next = {id(a): weakref.ref(b) for a, b in zip(layers, layers[1:])}
+        self._container = None if container is None else weakref.ref(container)
         self.call = call
         self._enter = enter
         self._leave = leave
         self.removers: list[Any] = []
         self._wrapped: set[int] = set()  # ids of the OptimizedModules hooked
+
+    @property
+    def container(self) -> nn.Module | None:
+        return None if self._container is None else self._container()
 
     def pre_hook(self, module: nn.Module, args: Any) -> None:
         """The layers' forward pre-hook: nothing while dynamo traces it, nor inside an
@@ -116,7 +124,8 @@ class CompiledEntries:
         the next layer, if compiled in place since, gets its entry before its call."""
         self.call.entry = entry
         self._enter(module, args)
-        following = self._next.get(id(module))
+        next_ref = self._next.get(id(module))
+        following = None if next_ref is None else next_ref()
         if following is not None:
             compiled = following._compiled_call_impl
             if compiled is not None and type(compiled) is not EagerEntry:
@@ -140,13 +149,17 @@ class CompiledEntries:
     def attach(self) -> int:
         """Give the layers compiled since the last call their entries; how many."""
         found = 0
-        for layer in self.layers.values():
+        for ref in self.layers.values():
+            layer = ref()
+            if layer is None:
+                continue
             compiled = layer._compiled_call_impl
             if compiled is not None and type(compiled) is not EagerEntry:
                 self._wrap_in_place(layer, compiled)
                 found += 1
-        if self.container is not None:
-            for module in self.container._modules.values():
+        container = self.container
+        if container is not None:
+            for module in container._modules.values():
                 inner = self._wrapped_layer(module)
                 if module is None or inner is None:
                     continue
@@ -171,7 +184,8 @@ class CompiledEntries:
             )
             if module is None or id(module) in self.layers:
                 break
-        return None if module is None else self.layers.get(id(module))
+        ref = None if module is None else self.layers.get(id(module))
+        return None if ref is None else ref()
 
     def _wrap_in_place(
         self, module: nn.Module, compiled: Any, layer: nn.Module | None = None
@@ -202,7 +216,12 @@ class CompiledEntries:
         self.removers.append(wrapper.register_forward_hook(ModuleHook(post), always_call=True))
 
     def remove(self) -> None:
+        """Put the compiled calls back, unhook the wrappers, and let go of the layers
+        (the handle that holds this is held by them no more)."""
         for remover in self.removers:
             remover.remove()
         self.removers.clear()
         self._wrapped.clear()
+        self.layers.clear()
+        self._next.clear()
+        self._container = None
