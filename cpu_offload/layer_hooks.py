@@ -18,7 +18,7 @@ from .engine.layer_context import OffloadContext
 from .engine.schedule import max_offloaded, resolve_count
 from .errors import CpuOffloadError
 from .hooks.autograd_hooks import checkpoint_forward_active, forward_inside_backward
-from .hooks.compiled_entry import CompiledEntries
+from .hooks.compiled_entry import CompiledEntries, refusal
 from .hooks.marking import mark_not_offload
 from .hooks.module_hooks import ModuleHook, call_running, layer_hook_owner
 from .log import logger, warn
@@ -146,8 +146,7 @@ class OffloadLayersHandle:
         self._watchers.clear()
 
     def _watch_for_missed_forwards(self, layers: list[nn.Module]) -> None:
-        """Warn if a backward reaches the layers' parameters before any forward went
-        through the hooks (NOTE [Compiled layers] in compiled_entry.py)."""
+        """Warn if a backward reaches the layers before a forward went through the hooks."""
 
         def check(param: torch.Tensor) -> None:
             if self.forwards_seen == 0 and self._watchers:
@@ -283,7 +282,7 @@ def offload_layers(
     _check_arguments(layers, owner, num_offloaded_layers, policy, memory_budget, options)
     per_layer = resolve_modules(layers, modules) if modules is not None else None
     checkpointed: list[nn.Module] = []
-    chosen: list[str] = []
+    chosen: list[str] = []  # with policy=
     count, auto = 0, None
     if memory_budget is not None:
         from .plan.auto_policy import modules_budget_context  # the planner, when it is asked for
@@ -327,13 +326,14 @@ def offload_layers(
         positions.setdefault(id(layer), []).append(position)
     enter, leave = _forward_hooks(handle, len(layers), positions, count)
     handle._compiled = compiled = CompiledEntries(layers, container, handle._call, enter, leave)
+    compiled.refuse = refusal(memory_budget is not None, modules is not None, bool(checkpointed))
+    compiled.watch(model)  # the layers compiled already (or refused), and those compiled later
+    handle._hooks.append(compiled)
     unique = list({id(layer): layer for layer in layers}.values())  # a shared module once
     pre_hook, post_hook = ModuleHook(compiled.pre_hook, handle), ModuleHook(compiled.post_hook)
     for layer in unique:
         handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
         handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
-    compiled.watch(model)  # the layers compiled already, and those compiled later
-    handle._hooks.append(compiled)
     warned: set[str] = set()  # once per handle (NOTE [Checkpoint inside the offload context])
     for m in checkpointed:
         noted = functools.partial(synchronizer.note_recompute, *positions[id(m)])

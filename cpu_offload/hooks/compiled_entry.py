@@ -36,9 +36,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..errors import CpuOffloadError
 from .module_hooks import ModuleHook
 
-__all__ = ["CompiledEntries", "EagerEntry"]
+__all__ = ["CompiledEntries", "EagerEntry", "refusal"]
 
 Enter = Callable[[nn.Module, Any], None]
 Leave = Callable[[nn.Module, Any, Any], None]
@@ -104,6 +105,8 @@ class CompiledEntries:
         self._leave = leave
         self.removers: list[Any] = []
         self._wrapped: set[int] = set()  # ids of the OptimizedModules hooked
+        #: what compiled layers cannot run with (:func:`refusal`), raised when one is found
+        self.refuse: str | None = None
 
     @property
     def container(self) -> nn.Module | None:
@@ -147,7 +150,11 @@ class CompiledEntries:
             self.removers.append(model.register_forward_pre_hook(ModuleHook(attach)))
 
     def attach(self) -> int:
-        """Give the layers compiled since the last call their entries; how many."""
+        """Give the layers compiled since the last call their entries; how many.
+
+        Raises:
+            CpuOffloadError: a layer is compiled, and an option refuses it (:attr:`refuse`).
+        """
         found = 0
         for ref in self.layers.values():
             layer = ref()
@@ -191,6 +198,7 @@ class CompiledEntries:
         self, module: nn.Module, compiled: Any, layer: nn.Module | None = None
     ) -> None:
         """``module`` (``layer`` or a wrapper of it) compiled in place gets an entry."""
+        self._check_allowed()
         entry = EagerEntry(layer or module, compiled, self._entered_in_place, self.left)
         module._compiled_call_impl = entry
 
@@ -203,7 +211,12 @@ class CompiledEntries:
     def _entered_in_place(self, layer: nn.Module, args: Any) -> None:
         self.entered(layer, args, layer)
 
+    def _check_allowed(self) -> None:
+        if self.refuse is not None:
+            raise CpuOffloadError(self.refuse)
+
     def _hook_wrapper(self, wrapper: nn.Module, layer: nn.Module) -> None:
+        self._check_allowed()
         self._wrapped.add(id(wrapper))
 
         def pre(module: nn.Module, args: Any) -> None:
@@ -225,3 +238,26 @@ class CompiledEntries:
         self.layers.clear()
         self._next.clear()
         self._container = None
+
+
+def refusal(memory_budget: bool, modules: bool, checkpoints: bool) -> str | None:
+    """What compiled layers cannot run with: the options whose own hooks run inside the
+    layer's call (on its submodules, or around its forward), which dynamo would trace."""
+    given = [
+        name
+        for name, on in (
+            ("memory_budget=", memory_budget),
+            ("modules=", modules),
+            ('policy= with "checkpoint" choices', checkpoints),
+        )
+        if on
+    ]
+    if not given:
+        return None
+    return (
+        f"offload_layers: {' and '.join(given)} cannot go with layers compiled one by one "
+        "(block.compile() or torch.compile(block)): their hooks run inside the layer's "
+        "compiled call, where dynamo cannot trace them (an error under fullgraph=True). "
+        'With compiled layers pass k, or policy= of "offload" and "keep"; or leave the '
+        "layers uncompiled."
+    )

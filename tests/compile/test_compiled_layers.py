@@ -195,3 +195,51 @@ def test_a_list_compiled_after_offloads_from_the_next_step_and_remove_restores()
     assert handle.offload_synchronizer.stats.tensors_offloaded > 0
     handle.remove()
     assert [block._compiled_call_impl for block in model.blocks()] == compiled
+
+
+def test_a_policy_of_offload_and_keep_on_compiled_layers():
+    reference = Decoder("dict")
+    model = copy.deepcopy(reference)
+    compile_blocks(reference, "in place", "aot_eager")
+    expected = [step(reference, seed) for seed in (1, 2)]
+    handle = offload_layers(model, policy=["keep", "offload", "keep"], min_offload_numel=0)
+    compile_blocks(model, "in place", "aot_eager")
+    actual = [step(model, seed) for seed in (1, 2)]
+    for want, got in zip(expected, actual):
+        assert_bit_identical(want, got)
+    assert handle.offload_synchronizer.stats.tensors_offloaded > 0
+    handle.remove()
+
+
+REFUSED = [
+    ({"memory_budget": "1KiB"}, "memory_budget= cannot go with layers compiled one by one"),
+    ({"modules": ["up"], "num_offloaded_layers": 1}, "modules= cannot go with layers compiled"),
+    (
+        {"policy": ["checkpoint", "offload", "keep"]},
+        'policy= with "checkpoint" choices cannot go with layers compiled one by one',
+    ),
+]
+
+
+@pytest.mark.parametrize("options, match", REFUSED, ids=["budget", "modules", "checkpoint"])
+@pytest.mark.parametrize("order", ["offload first", "compile first"])
+def test_options_whose_hooks_run_inside_the_layer_are_refused_with_compiled_layers(
+    options, match, order
+):
+    """One clear error that names what works, never a dynamo traceback: at offload_layers
+    when the layers are compiled already, else at the first forward."""
+    from cpu_offload import CpuOffloadError
+
+    model = Decoder("dict")
+    if order == "compile first":
+        compile_blocks(model, "in place", "aot_eager")
+        with pytest.raises(CpuOffloadError, match=match) as caught:
+            offload_layers(model, min_offload_numel=0, **options)
+    else:
+        handle = offload_layers(model, min_offload_numel=0, **options)
+        compile_blocks(model, "in place", "aot_eager")
+        with pytest.raises(CpuOffloadError, match=match) as caught:
+            step(model, 1)
+        handle.remove()
+    assert 'With compiled layers pass k, or policy= of "offload" and "keep"' in str(caught.value)
+    offload_layers(model, K, min_offload_numel=0).remove()  # nothing was left hooked
