@@ -11,7 +11,9 @@ The public API mirrors TransformerEngine's ``get_cpu_offload_context``::
 
 from __future__ import annotations
 
-from . import testing
+import importlib
+from typing import Any
+
 from .context import get_cpu_offload_context
 from .engine.layer_context import OffloadContext
 from .engine.layer_state import OffloadableLayerState
@@ -26,6 +28,15 @@ from .policy.selective_checkpoint import create_selective_checkpoint_contexts
 from .report.stats import OffloadStats
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``cpu_offload.testing`` on first use: it imports torch._dynamo, which
+    ``import cpu_offload`` leaves unloaded (it doubles the import's time)."""
+    if name == "testing":
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The stable names: TransformerEngine's functions and classes (as TE's own callers use
 #: them), offload_layers, torch's selective checkpointing with offload, the layer states,

@@ -18,12 +18,13 @@ from .engine.layer_context import OffloadContext
 from .engine.schedule import max_offloaded, resolve_count
 from .errors import CpuOffloadError
 from .hooks.autograd_hooks import checkpoint_forward_active, forward_inside_backward
+from .hooks.compiled_entry import CompiledEntries, refusal
 from .hooks.marking import mark_not_offload
 from .hooks.module_hooks import ModuleHook, call_running, layer_hook_owner
 from .log import logger, warn
 from .policy.checkpointing import checkpoint_forward
 from .policy.handle_summary import found_layers, schedule_of
-from .policy.layer_discovery import locate_layers, primary_tensor
+from .policy.layer_discovery import locate_layer_container, primary_tensor
 from .policy.module_choices import ModuleChoices, resolve_modules
 from .policy.policy import OFFLOADED, check_policy, checkpointed_modules, warn_checkpoint_hazards
 from .policy.reentrant_checkpoint import watch_reentrant_checkpoints
@@ -40,6 +41,7 @@ class _LayerCall(threading.local):
     """Per thread: the module (weakly) whose forward is inside the context."""
 
     module: weakref.ref[nn.Module] | None = None
+    entry: nn.Module | None = None  # a compiled layer entered around its compiled call
 
 
 class OffloadLayersHandle:
@@ -77,6 +79,7 @@ class OffloadLayersHandle:
         self._call = _LayerCall()
         self.auto: AutoPolicy | None = None
         self.modules: ModuleChoices | None = None  # modules=: the choices per submodule
+        self._compiled: CompiledEntries | None = None
 
     @property
     def plan(self) -> PolicyPlan | None:
@@ -144,20 +147,20 @@ class OffloadLayersHandle:
         self._watchers.clear()
 
     def _watch_for_missed_forwards(self, layers: list[nn.Module]) -> None:
-        """Warn if a backward reaches the layers' parameters before any forward went
-        through the hooks (a model compiled before they were installed runs without
-        them: dynamo does not guard on module hooks)."""
+        """Warn if a backward reaches the layers before a forward went through the hooks."""
 
         def check(param: torch.Tensor) -> None:
             if self.forwards_seen == 0 and self._watchers:
                 self._stop_watching()
+                if self._compiled is not None and self._compiled.attach():
+                    return  # layers compiled in place since, entered from the next step
                 warn(
-                    "cpu_offload: a backward reached the parameters of the offloaded layers, "
-                    "but no forward since offload_layers() went through its hooks, so "
-                    "nothing was offloaded. The usual cause is torch.compile: a model (or "
-                    "another instance of its layer class) compiled and run before the hooks "
-                    "were installed keeps running without them. Call offload_layers() "
-                    "before compiling the model, or call torch._dynamo.reset() after it.",
+                    "cpu_offload: a backward reached the parameters of the offloaded layers, but "
+                    "no forward since offload_layers() went through its hooks, so nothing was "
+                    "offloaded. The usual cause is torch.compile: a model compiled as a whole "
+                    "runs its layers inside one graph, without the hooks. Compile the layers "
+                    "one by one instead (block.compile(), or torch.compile(block) put back in "
+                    "its list), and pass offload_layers() the model, or call it after.",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -274,13 +277,13 @@ def offload_layers(
         >>> handle.remove()
     """
     check_options(options)
-    layers, where = locate_layers(model)
+    layers, where, container = locate_layer_container(model)
     manual = bool(options.get("manual_synchronization", False))
     owner = type(model).__name__
     _check_arguments(layers, owner, num_offloaded_layers, policy, memory_budget, options)
     per_layer = resolve_modules(layers, modules) if modules is not None else None
     checkpointed: list[nn.Module] = []
-    chosen: list[str] = []
+    chosen: list[str] = []  # with policy=
     count, auto = 0, None
     if memory_budget is not None:
         from .plan.auto_policy import modules_budget_context  # the planner, when it is asked for
@@ -322,13 +325,17 @@ def offload_layers(
     positions: dict[int, list[int]] = {}  # module id -> its positions in the list
     for position, layer in enumerate(layers):
         positions.setdefault(id(layer), []).append(position)
-    pre_hook, post_hook = _forward_hooks(handle, len(layers), positions, count)
+    enter, leave = _forward_hooks(handle, len(layers), positions, count)
+    handle._compiled = compiled = CompiledEntries(layers, container, handle._call, enter, leave)
+    compiled.refuse = refusal(memory_budget is not None, modules is not None, bool(checkpointed))
+    compiled.watch(model)  # the layers compiled already (or refused), and those compiled later
+    handle._hooks.append(compiled)
     unique = list({id(layer): layer for layer in layers}.values())  # a shared module once
+    pre_hook, post_hook = ModuleHook(compiled.pre_hook, handle), ModuleHook(compiled.post_hook)
     for layer in unique:
         handle._hooks.append(layer.register_forward_pre_hook(pre_hook))
         handle._hooks.append(layer.register_forward_hook(post_hook, always_call=True))
-    # Inside the hooks: see NOTE [Checkpoint inside the offload context]
-    warned: set[str] = set()  # once per handle
+    warned: set[str] = set()  # once per handle (NOTE [Checkpoint inside the offload context])
     for m in checkpointed:
         noted = functools.partial(synchronizer.note_recompute, *positions[id(m)])
         request = checkpoint_forward(m, lambda: handle.enabled, positions[id(m)][0], warned, noted)
@@ -392,8 +399,8 @@ def _check_arguments(
 
 def _forward_hooks(
     handle: OffloadLayersHandle, num_layers: int, positions: dict[int, list[int]], count: int
-) -> tuple[ModuleHook, ModuleHook]:
-    """The forward pre- and post-hook of every layer: enter the layer in the context (a
+) -> tuple[Any, Any]:
+    """What the forward pre- and post-hook of every layer do: enter the layer in the context (a
     skipped layer, or a forward started over, said so), leave it and pass its output's
     first tensor through ``sync_fn``."""
     context, sync_fn = handle.context, handle.sync_fn
@@ -442,9 +449,4 @@ def _forward_hooks(
         if primary is not None:
             sync_fn(primary)
 
-    # Compiled layers run the hooks eagerly, around the compiled forward: the saved-
-    # tensor hooks they enter apply to the compiled graph's saved tensors at run time.
-    return (
-        ModuleHook(torch.compiler.disable(enter), owner=handle),
-        ModuleHook(torch.compiler.disable(leave)),
-    )
+    return enter, leave

@@ -10,18 +10,21 @@ NOTE [Hooks around compiled code]
     that switch the frame callback off and on).  Instead the modules the hooks run
     through are put on dynamo's list of files it skips (``trace_rules.add``): their
     frames are never compiled, and a traced call into them is a graph break that runs
-    eagerly, at no cost per call.  Where that list cannot be extended (a PyTorch
-    without it), :func:`eager` falls back to ``torch.compiler.disable``.
+    eagerly, at no cost per call.  ``import cpu_offload`` does not import dynamo (it
+    doubles the import's time): the modules go on the list when ``torch._dynamo`` is
+    imported (a finder on ``sys.meta_path`` runs :func:`skip_in_dynamo` after it), or
+    at once where it already is.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import torch
-
-__all__ = ["SKIPPED", "eager"]
+__all__ = ["eager", "skip_in_dynamo"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -59,21 +62,58 @@ _HOOK_MODULES = (
 )
 
 
-def _skip_in_dynamo() -> bool:
-    try:
-        from torch._dynamo import trace_rules
+class _AfterDynamoImport(importlib.abc.MetaPathFinder):
+    """Puts the hook modules on dynamo's skip list once ``torch._dynamo`` is imported
+    (NOTE [Hooks around compiled code]); ``import cpu_offload`` does not import it."""
 
-        for name in _HOOK_MODULES:
-            trace_rules.add(name)
-    except (ImportError, AttributeError, TypeError, AssertionError):
-        return False
-    return True
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        _remove_finder()
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _SkipAfterLoad(spec.loader)
+        return spec
 
 
-#: whether dynamo skips the hook modules (else :func:`eager` wraps)
-SKIPPED = _skip_in_dynamo()
+class _SkipAfterLoad(importlib.abc.Loader):
+    """``torch._dynamo``'s own loader, then :func:`skip_in_dynamo`."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        skip_in_dynamo()
+
+
+_finder = _AfterDynamoImport()
+
+
+def _remove_finder() -> None:
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def skip_in_dynamo() -> None:
+    """Put the hook modules on dynamo's list of files it does not trace (once dynamo is
+    imported; idempotent)."""
+    from torch._dynamo import trace_rules
+
+    for name in _HOOK_MODULES:
+        trace_rules.add(name)
+
+
+if "torch._dynamo" in sys.modules:
+    skip_in_dynamo()
+else:
+    sys.meta_path.insert(0, _finder)
 
 
 def eager(function: F) -> F:
-    """``function`` as it is where dynamo skips its module, else compiler-disabled."""
-    return function if SKIPPED else torch.compiler.disable(function)
+    """``function`` itself: its module is on dynamo's skip list, so dynamo never traces
+    it (a traced call into it is a graph break that runs it eagerly)."""
+    return function

@@ -33,7 +33,7 @@ def found_layers(layers: Sequence[nn.Module], where: str, owner: str) -> str:
     """``"4 LlamaDecoderLayer at model.layers of LlamaForCausalLM"``."""
     kinds = {type(layer).__name__ for layer in layers}
     found = f"{len(layers)} {kinds.pop() if len(kinds) == 1 else 'modules'} at {where}"
-    return found if where == "the list given" else f"{found} of {owner}"
+    return found if where.startswith("the ") else f"{found} of {owner}"
 
 
 def schedule_of(

@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LAYER_PATHS", "find_layers", "locate_layers", "primary_tensor"]
+__all__ = [
+    "LAYER_PATHS",
+    "find_layers",
+    "locate_layer_container",
+    "locate_layers",
+    "primary_tensor",
+]
 
 
 def primary_tensor(output: Any) -> torch.Tensor | None:
@@ -76,11 +82,22 @@ def _lookup(module: nn.Module, path: str) -> Any:
     return found
 
 
+def _key_order(layers: nn.ModuleDict) -> str:
+    """How the layers of a ``ModuleDict`` are numbered: its keys in iteration order."""
+    keys = list(layers.keys())
+    if len(keys) == 1:
+        return f" (a ModuleDict: layer 0 is key {keys[0]!r})"
+    last = len(keys) - 1
+    return f" (a ModuleDict: layers 0-{last} are keys {keys[0]!r}..{keys[-1]!r} in iteration order)"
+
+
 def find_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     """The decoder layers of ``model``, or ``model`` itself when it is a list of layers.
 
     Looks, through peft / DDP / ``torch.compile`` wrappers, at the attribute paths in
-    :data:`LAYER_PATHS` and takes the first ``ModuleList`` (or ``nn.Sequential``) found.
+    :data:`LAYER_PATHS` and takes the first ``ModuleList`` (or ``nn.Sequential``) found,
+    or ``ModuleDict`` (torchtitan's ``model.layers``), whose layers are its values in
+    iteration order.
 
     Raises:
         ValueError: no layer list was found; the message names what was looked for.
@@ -91,8 +108,21 @@ def find_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
 def locate_layers(model: nn.Module | Sequence[nn.Module]) -> tuple[list[nn.Module], str]:
     """:func:`find_layers`, and where they were found: an attribute path of ``model``
     (``"model.layers"``), or ``"the list given"``."""
-    if isinstance(model, (nn.ModuleList, nn.Sequential, list, tuple)):
-        return list(model), "the list given"
+    layers, where, _ = locate_layer_container(model)
+    return layers, where
+
+
+def locate_layer_container(
+    model: nn.Module | Sequence[nn.Module],
+) -> tuple[list[nn.Module], str, nn.Module | None]:
+    """:func:`locate_layers`, and the module that holds them (a ``ModuleList``,
+    ``nn.Sequential`` or ``ModuleDict``; None for a plain list)."""
+    if isinstance(model, (nn.ModuleList, nn.Sequential)):
+        return list(model), "the list given", model
+    if isinstance(model, (list, tuple)):
+        return list(model), "the list given", None
+    if isinstance(model, nn.ModuleDict):
+        return list(model.values()), f"the ModuleDict given{_key_order(model)}", model
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"offload_layers: expected a model (nn.Module) or a list of layers, got "
@@ -102,10 +132,13 @@ def locate_layers(model: nn.Module | Sequence[nn.Module]) -> tuple[list[nn.Modul
         for path in LAYER_PATHS:
             layers = _lookup(candidate, path)
             if isinstance(layers, (nn.ModuleList, nn.Sequential)) and len(layers) > 0:
-                return list(layers), prefix + path
+                return list(layers), prefix + path, layers
+            if isinstance(layers, nn.ModuleDict) and len(layers) > 0:  # torchtitan
+                return list(layers.values()), prefix + path + _key_order(layers), layers
     raise ValueError(
         f"offload_layers: could not find the decoder layers of {type(model).__name__}: "
-        f"looked for a ModuleList at {', '.join(LAYER_PATHS)} (also inside base_model, "
+        f"looked for a ModuleList or ModuleDict at {', '.join(LAYER_PATHS)} (also inside "
+        "base_model, "
         "module and _orig_mod wrappers). Pass the layers themselves, for example "
         "offload_layers(model.backbone.blocks, k)."
     )

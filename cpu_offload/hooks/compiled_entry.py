@@ -1,0 +1,263 @@
+"""Where a compiled layer's offload hooks run: eagerly, around its compiled call.
+
+NOTE [Compiled layers]
+    A layer compiled in place (``block.compile(fullgraph=True)``, as torchtitan's
+    ``apply_compile`` does) compiles ``nn.Module._call_impl``, its forward hooks
+    included; one wrapped by ``torch.compile(block)`` and put back in its list (an
+    ``OptimizedModule``) compiles the block's call, hooks included, too.  Our layer
+    hooks enter the offload context, which pushes saved-tensor hooks and moves
+    tensors between streams: dynamo cannot put that in a graph, so inside a compiled
+    call they would be a graph break (an error under ``fullgraph=True``).  Instead
+    they do nothing while dynamo traces them, and the layer is entered eagerly
+    around its compiled call:
+
+    * a layer compiled in place gets an :class:`EagerEntry` as its
+      ``_compiled_call_impl`` (what ``nn.Module.__call__`` calls), around the one
+      ``compile()`` made;
+    * an ``OptimizedModule`` that wraps a layer in the layers' container gets the
+      layer's hooks as its own (they run eagerly: its call is not compiled, its
+      ``forward`` is).
+
+    The saved-tensor hooks entered around the compiled call see the compiled
+    function's saved tensors when it saves them, after its forward graph ran, as
+    they see an eager layer's: the graph is the one compiled without offload.
+    :class:`CompiledEntries` finds such layers when ``offload_layers`` hooks them
+    and, for layers compiled afterwards, before each forward of the model.  A whole
+    model compiled at once runs its layers inside one graph: the hooks stay out of
+    it (no graph break, nothing offloaded).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from ..errors import CpuOffloadError
+from .module_hooks import ModuleHook
+
+__all__ = ["CompiledEntries", "EagerEntry", "refusal"]
+
+Enter = Callable[[nn.Module, Any], None]
+Leave = Callable[[nn.Module, Any, Any], None]
+
+
+class EagerEntry:
+    """A layer's ``_compiled_call_impl`` that enters the layer around the compiled call."""
+
+    def __init__(self, layer: nn.Module, compiled: Any, enter: Enter, leave: Leave) -> None:
+        self.layer = weakref.ref(layer)  # the layer holds this: no cycle
+        self.compiled = compiled
+        self.enter = enter
+        self.leave = leave
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        layer = cast(nn.Module, self.layer())  # alive: it calls this
+        self.enter(layer, args)
+        try:
+            output = self.compiled(*args, **kwargs)
+        except Exception:
+            self.leave(layer, args, None)  # reads sys.exc_info(), as hooks with always_call
+            raise
+        self.leave(layer, args, output)
+        return output
+
+
+#: the attributes wrappers keep their module in: torch.compile, checkpoint_wrapper
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+class _Removable:
+    def __init__(self, remove: Callable[[], None]) -> None:
+        self.remove = remove
+
+
+class CompiledEntries:
+    """The layers' forward hooks, and each compiled layer entered eagerly around its
+    compiled call (NOTE [Compiled layers]).
+
+    Args:
+        layers: the layers in order (a module at several positions once per position).
+        container: the module that holds them, where ``OptimizedModule`` wrappers are
+            looked for; None for a plain list.
+        call: per thread, ``entry``: the layer entered around its compiled call now.
+        enter, leave: what the layer's forward pre- and post-hook do.
+    """
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        container: nn.Module | None,
+        call: Any,
+        enter: Enter,
+        leave: Leave,
+    ) -> None:
+        # Weakly: the layers' hooks hold this, and a model dropped with its handle
+        # (without remove()) goes by reference counting.
+        self.layers = {id(layer): weakref.ref(layer) for layer in layers}
+        self._next = {id(a): weakref.ref(b) for a, b in zip(layers, layers[1:])}
+        self._container = None if container is None else weakref.ref(container)
+        self.call = call
+        self._enter = enter
+        self._leave = leave
+        self.removers: list[Any] = []
+        self._wrapped: set[int] = set()  # ids of the OptimizedModules hooked
+        #: what compiled layers cannot run with (:func:`refusal`), raised when one is found
+        self.refuse: str | None = None
+
+    @property
+    def container(self) -> nn.Module | None:
+        return None if self._container is None else self._container()
+
+    def pre_hook(self, module: nn.Module, args: Any) -> None:
+        """The layers' forward pre-hook: nothing while dynamo traces it, nor inside an
+        entry around the compiled call."""
+        if not torch.compiler.is_compiling() and self.call.entry is not module:
+            self.entered(module, args, None)
+
+    def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling() and self.call.entry is not module:
+            self._leave(module, args, output)
+
+    def entered(self, module: nn.Module, args: Any, entry: nn.Module | None) -> None:
+        """Enter ``module``'s forward (from an entry around its compiled call: ``entry``);
+        the next layer, if compiled in place since, gets its entry before its call."""
+        self.call.entry = entry
+        self._enter(module, args)
+        next_ref = self._next.get(id(module))
+        following = None if next_ref is None else next_ref()
+        if following is not None:
+            compiled = following._compiled_call_impl
+            if compiled is not None and type(compiled) is not EagerEntry:
+                self._wrap_in_place(following, compiled)
+
+    def left(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.call.entry = None
+        self._leave(module, args, output)
+
+    def watch(self, model: Any) -> None:
+        """Attach now, and before each forward of ``model`` (a model, not the list)."""
+        self.attach()
+        if isinstance(model, nn.Module) and model is not self.container:
+
+            def attach(*_: Any) -> None:
+                if not torch.compiler.is_compiling():
+                    self.attach()
+
+            self.removers.append(model.register_forward_pre_hook(ModuleHook(attach)))
+
+    def attach(self) -> int:
+        """Give the layers compiled since the last call their entries; how many.
+
+        Raises:
+            CpuOffloadError: a layer is compiled, and an option refuses it (:attr:`refuse`).
+        """
+        found = 0
+        for ref in self.layers.values():
+            layer = ref()
+            if layer is None:
+                continue
+            compiled = layer._compiled_call_impl
+            if compiled is not None and type(compiled) is not EagerEntry:
+                self._wrap_in_place(layer, compiled)
+                found += 1
+        container = self.container
+        if container is not None:
+            for module in container._modules.values():
+                inner = self._wrapped_layer(module)
+                if module is None or inner is None:
+                    continue
+                compiled = module._compiled_call_impl
+                if hasattr(module, "_orig_mod"):  # torch.compile(...)'s OptimizedModule
+                    if id(module) not in self._wrapped:
+                        self._hook_wrapper(module, inner)
+                        found += 1
+                elif compiled is not None and type(compiled) is not EagerEntry:
+                    self._wrap_in_place(module, compiled, inner)
+                    found += 1
+        return found
+
+    def _wrapped_layer(self, module: nn.Module | None) -> nn.Module | None:
+        """The layer that ``module``, in the layers' place in their container, wraps
+        (``torch.compile``, a checkpoint wrapper, both), or None."""
+        if module is None or id(module) in self.layers:
+            return None  # a layer itself
+        for _ in range(4):
+            module = next(
+                (m for a in _WRAPPERS if (m := getattr(module, a, None)) is not None), None
+            )
+            if module is None or id(module) in self.layers:
+                break
+        ref = None if module is None else self.layers.get(id(module))
+        return None if ref is None else ref()
+
+    def _wrap_in_place(
+        self, module: nn.Module, compiled: Any, layer: nn.Module | None = None
+    ) -> None:
+        """``module`` (``layer`` or a wrapper of it) compiled in place gets an entry."""
+        self._check_allowed()
+        entry = EagerEntry(layer or module, compiled, self._entered_in_place, self.left)
+        module._compiled_call_impl = entry
+
+        def unwrap() -> None:
+            if module._compiled_call_impl is entry:
+                module._compiled_call_impl = compiled
+
+        self.removers.append(_Removable(unwrap))
+
+    def _entered_in_place(self, layer: nn.Module, args: Any) -> None:
+        self.entered(layer, args, layer)
+
+    def _check_allowed(self) -> None:
+        if self.refuse is not None:
+            raise CpuOffloadError(self.refuse)
+
+    def _hook_wrapper(self, wrapper: nn.Module, layer: nn.Module) -> None:
+        self._check_allowed()
+        self._wrapped.add(id(wrapper))
+
+        def pre(module: nn.Module, args: Any) -> None:
+            self.entered(layer, args, layer)
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            self.left(layer, args, output)
+
+        self.removers.append(wrapper.register_forward_pre_hook(ModuleHook(pre)))
+        self.removers.append(wrapper.register_forward_hook(ModuleHook(post), always_call=True))
+
+    def remove(self) -> None:
+        """Put the compiled calls back, unhook the wrappers, and let go of the layers
+        (the handle that holds this is held by them no more)."""
+        for remover in self.removers:
+            remover.remove()
+        self.removers.clear()
+        self._wrapped.clear()
+        self.layers.clear()
+        self._next.clear()
+        self._container = None
+
+
+def refusal(memory_budget: bool, modules: bool, checkpoints: bool) -> str | None:
+    """What compiled layers cannot run with: the options whose own hooks run inside the
+    layer's call (on its submodules, or around its forward), which dynamo would trace."""
+    given = [
+        name
+        for name, on in (
+            ("memory_budget=", memory_budget),
+            ("modules=", modules),
+            ('policy= with "checkpoint" choices', checkpoints),
+        )
+        if on
+    ]
+    if not given:
+        return None
+    return (
+        f"offload_layers: {' and '.join(given)} cannot go with layers compiled one by one "
+        "(block.compile() or torch.compile(block)): their hooks run inside the layer's "
+        "compiled call, where dynamo cannot trace them (an error under fullgraph=True). "
+        'With compiled layers pass k, or policy= of "offload" and "keep"; or leave the '
+        "layers uncompiled."
+    )
