@@ -160,9 +160,7 @@ class OffloadLayersHandle:
                     "offloaded. The usual cause is torch.compile: a model compiled as a whole "
                     "runs its layers inside one graph, without the hooks. Compile the layers "
                     "one by one instead (block.compile(), or torch.compile(block) put back in "
-                    "its list), and pass offload_layers() the model, or call it after.",
-                    UserWarning,
-                    stacklevel=2,
+                    "its list), and pass offload_layers() the model, or call it after."
                 )
 
         for layer in layers:
