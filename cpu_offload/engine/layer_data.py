@@ -146,6 +146,9 @@ class LayerData:
         push_stream, push_stream_key: the stream current at the first push.
         reload_event, reload_waited_on: the reload's event, and the stream key that
             waited for it.
+        reload_stream_key: the stream current when the reload allocated its tensors: a
+            pop on another stream hands the tensor to ``record_stream`` (NOTE [Allocator
+            reuse across streams] in testing/allocator_pools.py).
     """
 
     __slots__ = (
@@ -174,6 +177,7 @@ class LayerData:
         "push_stream_key",
         "reload_event",
         "reload_waited_on",
+        "reload_stream_key",
     )
 
     def __init__(self, lease: Lease) -> None:
@@ -202,6 +206,7 @@ class LayerData:
         self.push_stream_key: Any = None
         self.reload_event: Any = None
         self.reload_waited_on: Any = NOT_WAITED
+        self.reload_stream_key: Any = None
 
     # ------------------------------------------------------------ aliases
 
@@ -343,6 +348,7 @@ class LayerData:
         # One event for the layer: its first pop waits for every copy.
         event = self.reload_event = backend.record_event(stream)
         self.reload_waited_on = NOT_WAITED
+        self.reload_stream_key = None if backend.one_stream else backend.current_stream_key()
         self.in_flight = [event]
         if self.layout is None:
             reloaded = targets

@@ -298,17 +298,21 @@ class OffloadableLayerState(LayerTransitions):
                 return pushed[index]
             self._reload_on_demand()
         backend, slices = self.backend, self.slices  # slices: see reload_slices.py
+        elsewhere = False  # handed out on a stream the reload did not allocate on
         if slices is None and data.reload_event is not None:
             key = None if backend.one_stream else backend.current_stream_key()
             if key != data.reload_waited_on:  # once per layer and stream
                 stream, event = backend.current_stream(), data.reload_event
                 in_range("wait_reload", self.name, backend.wait_event, stream, event)
                 data.reload_waited_on = key
+            elsewhere = key != data.reload_stream_key
         held = None if slices is not None or data.pops_left else data.reloaded[index]
         if held is not None:  # let go of it: ``hand_out``'s common case, without the call
             tensor, data.reloaded[index] = held, None
         else:
             tensor = (hand_out if slices is None else slices.hand_out)(data, self, index)
+        if elsewhere:  # its block is the reload stream's: freed, reused only after ours
+            backend.record_stream(tensor, backend.current_stream())
         if backend.checks_handoff:
             backend.before_handoff(tensor, self.name)
         return tensor

@@ -264,12 +264,12 @@ class SimulatedBackend(DeviceBackend):
                 if block is not None:
                     block.uses[self.compute] = Use(self.compute, "compute", seq, func)
 
-    def record_stream(self, tensor: torch.Tensor, stream: SimulatedStream) -> None:
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         """``tensor.record_stream(stream)``: its block goes back to its pool only after
         ``stream``'s work on it (here: that work no longer makes its reuse a hazard)."""
         block = self.owned.get(storage_key(tensor))  # type: ignore[arg-type]
         if block is not None:
-            block.uses.pop(stream, None)
+            block.uses.pop(cast(Hashable, stream), None)
 
     def _ordered(self, use: Use, stream: Hashable) -> bool:
         if use.stream is not self.compute or use.stream is stream:

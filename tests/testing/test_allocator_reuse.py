@@ -8,9 +8,11 @@ import pytest
 import torch
 from helpers import modeled_device
 
+from cpu_offload import get_cpu_offload_context
 from cpu_offload.bench.config import parse_args
 from cpu_offload.bench.peers import PEERS, peer_step
 from cpu_offload.bench.simulate import stack_of
+from cpu_offload.device.runtime import StreamBackend
 from cpu_offload.testing import StreamHazardError, strict_runtime, timed_runtime
 from cpu_offload.testing.allocator_pools import FreedBlock, StreamOrder, StreamPools, Use
 from cpu_offload.testing.modeled_cuda import modeled_cuda
@@ -163,3 +165,38 @@ def test_the_installed_peers_run_unmodified_with_their_blocks_reused(peer):
     layers, x, _ = stack_of(config)
     run = peer_step(peer, layers, x, "h100")
     assert run.d2h_bytes > 0 and run.block_reuses > 0  # reuses happened, each checked
+
+
+def prefetched_on_compute_popped_on_another_stream() -> int:
+    """The manual controller reloads every layer on compute; backward runs on another
+    stream, so the reloaded tensors are read there; compute then allocates again."""
+    layers = [torch.nn.Linear(512, 512, device="meta") for _ in range(3)]
+    x = torch.empty(1024, 512, device="meta", requires_grad=True)
+    with timed_runtime(DEVICE) as run, modeled_cuda(run.live):
+        ctx, sync_fn, controller = get_cpu_offload_context(
+            True, model_layers=3, manual_synchronization=True
+        )
+        h = x
+        for i, layer in enumerate(layers):
+            with ctx:
+                h = layer(h).relu()
+            h = sync_fn(h)
+            controller.start_offload_layer(i)
+        for i in range(3):
+            controller.release_activation_forward_gpu_memory(i)
+        for i in reversed(range(3)):
+            controller.start_reload_layer(i)
+        other = torch.cuda.Stream()
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(other):
+            h.sum().backward()
+        for _ in range(4):
+            torch.empty(1024, 512, device="cuda").fill_(0)
+    return run.block_reuses
+
+
+def test_a_reloaded_tensor_popped_on_another_stream_is_recorded_for_it(monkeypatch):
+    assert prefetched_on_compute_popped_on_another_stream() > 0
+    monkeypatch.setattr(StreamBackend, "record_stream", lambda self, tensor, stream: None)
+    with pytest.raises(StreamHazardError, match="allocated on compute, reuses the block"):
+        prefetched_on_compute_popped_on_another_stream()
