@@ -354,12 +354,20 @@ def _timed() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = Parser(prog="python -m cpu_offload.check", description=__doc__)
+    # --help prints the docstring as text: without its reST markup
+    description = (__doc__ or "").replace("``", "")
+    parser = Parser(prog="python -m cpu_offload.check", description=description)
     parser.add_argument(
-        "--device", type=device, help="cpu, cuda, npu, ... (default: the best available)"
+        "--device",
+        type=device,
+        help="the device to check: cpu, cuda, npu, ... (default: the best available)",
     )
     parser.add_argument(
-        "--json", metavar="PATH", type=output_file, help="also write the results as JSON"
+        "--json",
+        metavar="PATH",
+        type=output_file,
+        help="also write the rows and the environment as JSON to PATH (default: none, "
+        "the table is printed only)",
     )
     if importlib.util.find_spec("torch_npu") is not None:
         importlib.import_module("torch_npu")  # registers the NPU, found only once imported
