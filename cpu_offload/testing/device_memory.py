@@ -11,7 +11,9 @@ NOTE [Modeled device memory]
     blocks allocated now, ``peak`` its maximum, and the curve has one point per change,
     at the device time of the allocating stream (where the work that uses the memory
     starts, or the work before the free ends).  Host memory (pinned or pageable) is
-    tracked only to tell copies' directions and rates; it is not device memory.
+    tracked to tell copies' directions and rates; it is not device memory.  Pinned
+    memory is counted as torch's caching host allocator holds it (NOTE [Modeled pinned
+    memory] in pinned_memory.py).
     A freed device block goes back to its stream's pool, and a reuse that other streams'
     work on the old tensor is not ordered before raises (NOTE [Allocator reuse across
     streams] in allocator_pools.py).
@@ -28,6 +30,7 @@ import torch
 from ..device.kernel_costs import storage_id
 from .allocator_pools import FreedBlock, StreamOrder, StreamPools, Use
 from .clocks import StreamClock, Timeline
+from .pinned_memory import PinnedCache, round_threshold
 
 __all__ = ["Block", "DeviceMemory", "MemoryMark"]
 
@@ -86,6 +89,7 @@ class DeviceMemory:
         self.deferred: list[tuple[float, Block]] = []  # freed, awaiting recorded streams
         self.closed = False
         self.order = StreamOrder()
+        self.pinned = PinnedCache(round_threshold())
         self.pools = StreamPools(self.order.ordered, "modeled_cuda")
 
     def block(self, tensor: torch.Tensor) -> Block | None:
@@ -106,7 +110,8 @@ class DeviceMemory:
         storage = tensor.untyped_storage()
         key = storage._cdata
         size = storage.nbytes()
-        block = Block(-(-size // ROUND) * ROUND, stream, host, pinned)
+        held = self.pinned.allocate(size) if pinned else -(-size // ROUND) * ROUND
+        block = Block(held, stream, host, pinned)
         if not host:
             block.what = f"a tensor (shape {tuple(tensor.shape)}, dtype {tensor.dtype})"
             self.pools.allocate(stream, size, block.what, stream.name)
@@ -131,6 +136,8 @@ class DeviceMemory:
         block = self.blocks.pop(key, None)
         if block is not None and block.host and not self.closed:
             self.host_allocated -= block.size
+            if block.pinned:
+                self.pinned.release(block.size)
         if block is None or block.host or self.closed:
             return
         if block.recorded:

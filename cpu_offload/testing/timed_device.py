@@ -355,6 +355,8 @@ def _fill(report: TimedReport, runtime: TimedRuntime) -> None:
     report.peak_bytes, report.end_bytes = memory.peak, memory.allocated
     report.host_peak_bytes = memory.host_peak
     report.block_reuses = memory.pools.reuses
+    report.pinned_reserved_bytes = memory.pinned.peak_reserved
+    report.pinned_allocations = memory.pinned.allocations
     report.marks, report.curve = memory.marks, memory.curve
     report.streams, report.host_log = timeline.streams, timeline.host_log
     memory.close()
