@@ -298,21 +298,17 @@ class OffloadableLayerState(LayerTransitions):
                 return pushed[index]
             self._reload_on_demand()
         backend, slices = self.backend, self.slices  # slices: see reload_slices.py
-        elsewhere = False  # handed out on a stream the reload did not allocate on
         if slices is None and data.reload_event is not None:
             key = None if backend.one_stream else backend.current_stream_key()
             if key != data.reload_waited_on:  # once per layer and stream
                 stream, event = backend.current_stream(), data.reload_event
                 in_range("wait_reload", self.name, backend.wait_event, stream, event)
-                data.reload_waited_on = key
-            elsewhere = key != data.reload_stream_key
+                _waited(data, backend, key, stream)
         held = None if slices is not None or data.pops_left else data.reloaded[index]
         if held is not None:  # let go of it: ``hand_out``'s common case, without the call
             tensor, data.reloaded[index] = held, None
         else:
             tensor = (hand_out if slices is None else slices.hand_out)(data, self, index)
-        if elsewhere:  # its block is the reload stream's: freed, reused only after ours
-            backend.record_stream(tensor, backend.current_stream())
         if backend.checks_handoff:
             backend.before_handoff(tensor, self.name)
         return tensor
@@ -345,3 +341,15 @@ class OffloadableLayerState(LayerTransitions):
         self.start_reload()
 
     # ---------------------------------------------------------- transitions
+
+
+def _waited(data: LayerData, backend: DeviceBackend, key: object, stream: Any) -> None:
+    """``stream`` (``key``) waited for the layer's reload.  On a stream other than the one
+    the reload allocated on, the reloaded tensors are handed to ``record_stream`` for it:
+    their blocks go back to the reload stream's pool, which would reuse them while this
+    stream still reads them (NOTE [Allocator reuse across streams] in testing/)."""
+    data.reload_waited_on = key
+    if key is not None and key != data.reload_stream_key:  # None: one stream
+        for tensor in data.reloaded:
+            if tensor is not None:
+                backend.record_stream(tensor, stream)

@@ -36,7 +36,8 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
     """
 
     reload_advice = "Call start_reload_layer(i) before backward reaches the layer to prefetch it."
-    #: every reload is the controller's, a second backward's too (TransformerEngine's)
+    #: a backward with the graph retained prepares no second backward (NOTE [A backward in
+    #: two phases]): every reload is the controller's (TransformerEngine's contract)
     arms_second_backward = False
 
     def start_offload_layer(self, layer_id: int, forward_pass: PassRef = None) -> None:

@@ -297,10 +297,6 @@ class OffloadSynchronizer(OffloadEngine):
 
     # ------------------------------------------------------------ queries
 
-    #: whether the end of a backward with the graph retained prepares a second backward
-    #: (NOTE [A backward in two phases]); the manual synchronizer leaves it to the user
-    arms_second_backward = True
-
     def get_offloaded_total_size_mb(self) -> float:
         """MiB of offloaded data in host memory now, over all passes in flight."""
         return sum(p.get_offloaded_total_size_mb() for p in self.in_flight_passes())

@@ -88,6 +88,6 @@ def test_check_help_is_plain_text_and_every_flag_says_its_default(capsys):
     assert "``" not in text and ":func:" not in text
     assert "python -m cpu_offload.check: the first command to run" in " ".join(text.split())
     options = text.split("options:")[1]
-    for flag in ("--device", "--json"):
+    for flag in ("--device", "--json", "--full", "--simulate"):
         assert flag in options
-    assert options.count("(default:") == 2  # every flag but --help
+    assert options.count("(default:") == 4  # every flag but --help
