@@ -353,17 +353,55 @@ def _timed() -> Iterator[None]:
     print(f"({time.perf_counter() - start:.1f} s)")
 
 
+def _device_row(device: str, simulate: str | None) -> tuple[str, str]:
+    """``--full``'s first row: these checks, on the device."""
+    if simulate:
+        return NOT_RUN, "the device checks measure the device: python -m cpu_offload.check"
+    _, results = run_checks(device)
+    counts = {status: sum(r.status == status for r in results) for status in (PASS, FAIL)}
+    return (FAIL if counts[FAIL] else PASS), f"{counts[PASS]} PASS, {counts[FAIL]} FAIL"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = Parser(prog="python -m cpu_offload.check", description=__doc__)
+    # --help prints the docstring as text: without its reST markup
+    description = (__doc__ or "").replace("``", "")
+    parser = Parser(prog="python -m cpu_offload.check", description=description)
     parser.add_argument(
-        "--device", type=device, help="cpu, cuda, npu, ... (default: the best available)"
+        "--device",
+        type=device,
+        help="the device to check: cpu, cuda, npu, ... (default: the best available)",
     )
     parser.add_argument(
-        "--json", metavar="PATH", type=output_file, help="also write the results as JSON"
+        "--json",
+        metavar="PATH",
+        type=output_file,
+        help="also write the rows and the environment as JSON to PATH (default: none, "
+        "the table is printed only)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="run every check still owed to a GPU, most valuable first: the device checks, "
+        "pytest -m gpu, the benchmarks, the peers, the pipeline, pinned rounding (default: "
+        "the device checks only)",
+    )
+    parser.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="with --full: run every check it can on this modeled device (h100, h200, ...) "
+        "on the CPU (default: none, on the device)",
     )
     if importlib.util.find_spec("torch_npu") is not None:
         importlib.import_module("torch_npu")  # registers the NPU, found only once imported
     args = parser.parse_args(argv)
+    if args.simulate and not args.full:
+        parser.error("--simulate PROFILE: goes with --full")
+    if args.full:  # NOTE [The first hour on a GPU] in check_full.py
+        from .check_full import report_full, run_full
+
+        with _timed():
+            rows = run_full(args.device, args.simulate, _device_row)
+        return report_full(rows, args.simulate, args.json)
     with _timed():
         info, results = run_checks(args.device)
         print_table(info, results)

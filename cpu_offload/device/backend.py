@@ -155,6 +155,10 @@ class DeviceBackend:
         """Called, where :attr:`checks_handoff`, when a reloaded tensor is handed back to
         autograd (a testing hook)."""
 
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """``tensor``'s memory, allocated on another stream, is used on ``stream``: the
+        allocator reuses it only after ``stream``'s work issued before its free."""
+
     def synchronize(self) -> None:
         raise NotImplementedError
 

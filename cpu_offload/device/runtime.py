@@ -123,6 +123,10 @@ class StreamBackend(DeviceBackend):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        if isinstance(stream, torch.Stream):  # a simulated runtime's streams are not
+            tensor.record_stream(stream)
+
     def current_stream_key(self) -> object:
         if self._raw_stream is not None:
             return self._raw_stream(self.device.index)

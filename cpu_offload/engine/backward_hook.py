@@ -62,4 +62,5 @@ class BackwardHook:
     def finish(self) -> None:
         self.synchronizer.finish_part_of_bwd(self.forward_pass)
         # a graph retained for a second backward (ZB-V's W): NOTE in weight_pass.py
-        arm_second_backward(self.forward_pass)
+        if getattr(self.synchronizer, "arms_second_backward", True):  # manual: False
+            arm_second_backward(self.forward_pass)

@@ -144,8 +144,8 @@ class LayerData:
         shares, pops_left: position -> pops beyond its handle's (None: none), all and left.
         in_flight: events of copies nobody has waited for.
         push_stream, push_stream_key: the stream current at the first push.
-        reload_event, reload_waited_on: the reload's event, and the stream key that
-            waited for it.
+        reload_event, reload_waited_on, reload_stream_key: the reload's event, the stream
+            key that waited for it, and the one its tensors were allocated on.
     """
 
     __slots__ = (
@@ -174,6 +174,7 @@ class LayerData:
         "push_stream_key",
         "reload_event",
         "reload_waited_on",
+        "reload_stream_key",
     )
 
     def __init__(self, lease: Lease) -> None:
@@ -342,7 +343,7 @@ class LayerData:
             copy_timed(layer, "h2d", reloaded, hosts, self.host_bytes)
         # One event for the layer: its first pop waits for every copy.
         event = self.reload_event = backend.record_event(stream)
-        self.reload_waited_on = NOT_WAITED
+        self.reload_waited_on, self.reload_stream_key = NOT_WAITED, backend.current_stream_key()
         self.in_flight = [event]
         if self.layout is None:
             reloaded = targets
@@ -353,8 +354,7 @@ class LayerData:
         self.pops_left = None if self.shares is None else dict(self.shares)
 
     def wait_for_copies(self, layer: CopyingLayer) -> None:
-        """The compute stream waits for copies in flight (NOTE [Offload stream
-        ordering]), once."""
+        """The compute stream waits for copies in flight, once (NOTE [Offload stream ordering])."""
         if self.in_flight:
             backend = layer.backend
             current = backend.current_stream()

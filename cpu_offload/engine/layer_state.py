@@ -303,7 +303,7 @@ class OffloadableLayerState(LayerTransitions):
             if key != data.reload_waited_on:  # once per layer and stream
                 stream, event = backend.current_stream(), data.reload_event
                 in_range("wait_reload", self.name, backend.wait_event, stream, event)
-                data.reload_waited_on = key
+                _waited(data, backend, key, stream)
         held = None if slices is not None or data.pops_left else data.reloaded[index]
         if held is not None:  # let go of it: ``hand_out``'s common case, without the call
             tensor, data.reloaded[index] = held, None
@@ -341,3 +341,15 @@ class OffloadableLayerState(LayerTransitions):
         self.start_reload()
 
     # ---------------------------------------------------------- transitions
+
+
+def _waited(data: LayerData, backend: DeviceBackend, key: object, stream: Any) -> None:
+    """``stream`` (``key``) waited for the layer's reload.  On a stream other than the one
+    the reload allocated on, the reloaded tensors are handed to ``record_stream`` for it:
+    their blocks go back to the reload stream's pool, which would reuse them while this
+    stream still reads them (NOTE [Allocator reuse across streams] in testing/)."""
+    data.reload_waited_on = key
+    if key is not None and key != data.reload_stream_key:  # None: one stream
+        for tensor in data.reloaded:
+            if tensor is not None:
+                backend.record_stream(tensor, stream)

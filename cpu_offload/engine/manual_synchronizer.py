@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .layer_state import OffloadableLayerState
 from .synchronizer import OffloadSynchronizer, PassRef
+from .transitions import LayerState
 
 __all__ = ["ManualOffloadSynchronizer"]
 
@@ -35,6 +36,9 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
     """
 
     reload_advice = "Call start_reload_layer(i) before backward reaches the layer to prefetch it."
+    #: a backward with the graph retained prepares no second backward (NOTE [A backward in
+    #: two phases]): every reload is the controller's (TransformerEngine's contract)
+    arms_second_backward = False
 
     def start_offload_layer(self, layer_id: int, forward_pass: PassRef = None) -> None:
         """Queue the copies of a layer's saved tensors to the host."""
@@ -47,8 +51,11 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
         self._state(layer_id, forward_pass).release_activation_forward_gpu_memory()
 
     def start_reload_layer(self, layer_id: int, forward_pass: PassRef = None) -> None:
-        """Queue the copies of a layer's tensors back to the device."""
-        self._state(layer_id, forward_pass).start_reload()
+        """Queue the copies of a layer's tensors back to the device; a layer already
+        reloading is left as it is (a repeated prefetch request)."""
+        state = self._state(layer_id, forward_pass)
+        if state.state is not LayerState.RELOAD_STARTED:
+            state.start_reload()
 
     def _state(self, layer_id: int, forward_pass: PassRef) -> OffloadableLayerState:
         if isinstance(layer_id, bool) or not isinstance(layer_id, int):

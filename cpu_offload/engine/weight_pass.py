@@ -33,6 +33,9 @@ NOTE [A backward in two phases]
       weight gradients of ``j``;
     - the last layer of the chain goes with the graph, when ``W`` drops it.
 
+    The manual synchronizer arms nothing: every reload is the controller's
+    (TransformerEngine's contract), a second backward's too.
+
     What ``W`` reloads is each layer's whole host copy (the state machine moves a layer
     at once), also what only ``I`` needed.  Keeping on the device from ``I`` to ``W``
     what only ``W`` needs would need to know which saved tensors ``W`` unpacks, which a

@@ -1,8 +1,10 @@
 """Tools to test offloading code on a machine without an accelerator.
 
-The simulated runtime (``runtime.py``, ``simulator.py``: streams whose hazards raise) and
-the timed runtime of a modeled accelerator (``timed_device.py`` and its clocks, memory,
-streams and report), which stand in for ``torch.cuda``; public as ``cpu_offload.testing``.
+The simulated runtime (``runtime.py``, ``simulator.py`` and ``sim_streams.py``: streams
+whose hazards raise) and the timed runtime of a modeled accelerator (``timed_device.py``
+and its clocks, memory, pinned memory, streams and report), which stand in for
+``torch.cuda``; both model the caching allocator's per-stream pools
+(``allocator_pools.py``).  Public as ``cpu_offload.testing``.
 
 May import: device, errors.
 """

@@ -11,19 +11,26 @@ NOTE [Modeled device memory]
     blocks allocated now, ``peak`` its maximum, and the curve has one point per change,
     at the device time of the allocating stream (where the work that uses the memory
     starts, or the work before the free ends).  Host memory (pinned or pageable) is
-    tracked only to tell copies' directions and rates; it is not device memory.
+    tracked to tell copies' directions and rates; it is not device memory.  Pinned
+    memory is counted as torch's caching host allocator holds it (NOTE [Modeled pinned
+    memory] in pinned_memory.py).
+    A freed device block goes back to its stream's pool, and a reuse that other streams'
+    work on the old tensor is not ordered before raises (NOTE [Allocator reuse across
+    streams] in allocator_pools.py).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from ..device.kernel_costs import storage_id
+from .allocator_pools import FreedBlock, StreamOrder, StreamPools, Use
 from .clocks import StreamClock, Timeline
+from .pinned_memory import PinnedCache, round_threshold
 
 __all__ = ["Block", "DeviceMemory", "MemoryMark"]
 
@@ -34,7 +41,7 @@ ROUND = 512
 class Block:
     """One storage the model tracks: device memory, or host memory (pinned or pageable)."""
 
-    __slots__ = ("size", "stream", "host", "pinned", "recorded", "finalizer")
+    __slots__ = ("size", "stream", "host", "pinned", "recorded", "finalizer", "what", "uses")
 
     def __init__(self, size: int, stream: StreamClock, host: bool, pinned: bool) -> None:
         self.size = size
@@ -43,6 +50,8 @@ class Block:
         self.pinned = pinned
         self.recorded: set[int] = set()  # ids of streams handed to record_stream
         self.finalizer: weakref.finalize | None = None
+        self.what = ""  # the tensor it was allocated for, described
+        self.uses: dict[Hashable, Use] = {}  # other streams' last work on it
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,9 @@ class DeviceMemory:
         self.marks: list[MemoryMark] = []
         self.deferred: list[tuple[float, Block]] = []  # freed, awaiting recorded streams
         self.closed = False
+        self.order = StreamOrder()
+        self.pinned = PinnedCache(round_threshold())
+        self.pools = StreamPools(self.order.ordered, "modeled_cuda")
 
     def block(self, tensor: torch.Tensor) -> Block | None:
         """The block of ``tensor``'s memory, if the model tracks it."""
@@ -98,7 +110,11 @@ class DeviceMemory:
         storage = tensor.untyped_storage()
         key = storage._cdata
         size = storage.nbytes()
-        block = Block(-(-size // ROUND) * ROUND, stream, host, pinned)
+        held = self.pinned.allocate(size) if pinned else -(-size // ROUND) * ROUND
+        block = Block(held, stream, host, pinned)
+        if not host:
+            block.what = f"a tensor (shape {tuple(tensor.shape)}, dtype {tensor.dtype})"
+            self.pools.allocate(stream, size, block.what, stream.name)
         self.blocks[key] = block
         block.finalizer = weakref.finalize(storage, self._died, key)
         block.finalizer.atexit = False
@@ -120,21 +136,49 @@ class DeviceMemory:
         block = self.blocks.pop(key, None)
         if block is not None and block.host and not self.closed:
             self.host_allocated -= block.size
+            if block.pinned:
+                self.pinned.release(block.size)
         if block is None or block.host or self.closed:
             return
         if block.recorded:
-            ready = max(self.streams[s].time for s in block.recorded)
+            # The allocator returns the block once the recorded streams' work issued
+            # before the free completed, and with it all work that work was ordered after.
+            recorded = [self.streams[s] for s in block.recorded]
+            done: dict[Hashable, int] = {}
+            for clock in recorded:
+                for other, seq in self.order.stamp(clock).items():
+                    done[other] = max(done.get(other, 0), seq)
+            block.uses = {
+                s: use for s, use in block.uses.items() if use.seq > done.get(use.stream, 0)
+            }
+            ready = max(clock.time for clock in recorded)
             if ready > self.timeline.host:
                 self.deferred.append((ready, block))
                 return
+        self._release(block)
+
+    def _release(self, block: Block) -> None:
         self._change(-block.size, self.timeline.now(block.stream))
+        self.pools.free(
+            block.stream, FreedBlock(block.size, block.stream.name, block.what, block.uses)
+        )
+
+    def use(self, tensor: object, clock: StreamClock, seq: int, op: str) -> None:
+        """Work at ``seq`` on ``clock``'s stream reads or writes ``tensor``: noted on its
+        block when another stream owns it."""
+        if not isinstance(tensor, torch.Tensor):
+            return
+        key = storage_id(tensor)
+        block = None if key is None else self.blocks.get(key)
+        if block is not None and block.stream is not clock and not block.host:
+            block.uses[clock] = Use(clock, clock.name, seq, op)
 
     def poll(self) -> None:
         """Return the recorded blocks whose streams' work the host sees completed."""
         host, waiting = self.timeline.host, []
         for ready, block in self.deferred:
             if ready <= host:
-                self._change(-block.size, self.timeline.now(block.stream))
+                self._release(block)
             else:
                 waiting.append((ready, block))
         self.deferred = waiting

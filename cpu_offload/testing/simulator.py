@@ -41,259 +41,50 @@ NOTE [Torn copies]
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterator
 from typing import Any, NoReturn, cast
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..device.backend import DeviceBackend, Event, Stream, is_dense
 from ..device.runtime import override_host_backend
-from ..errors import CpuOffloadError
+from .allocator_pools import FreedBlock, StreamHazardError, StreamPools, Use, round_size
+from .sim_streams import (
+    QueuedCopy,
+    QueuedWait,
+    SimulatedEvent,
+    SimulatedStream,
+    StreamCounters,
+    describe,
+    storage_key,
+)
 
 __all__ = [
     "ComputeWatch",
     "SimulatedBackend",
+    "SimulatedEvent",
+    "SimulatedStream",
     "StreamCounters",
     "StreamHazardError",
     "strict_streams",
 ]
 
 _POISON_BYTE = 0xA5
-
-
-class StreamHazardError(CpuOffloadError):
-    """A stream-ordering mistake that would corrupt data on a real accelerator."""
-
-
-@dataclass
-class StreamCounters:
-    """What the simulator saw.
-
-    Attributes:
-        copies_queued: copies issued on a side stream.
-        copies_run: queued copies that ran.
-        bytes_copied: bytes moved by copies that ran.
-        event_waits: ``wait_event``/``wait_stream`` calls.
-        synchronizations: ``synchronize`` calls.
-        handoffs: tensors handed back to autograd after a reload.
-        hazards: hazards detected.
-        torn_copies: copies whose source compute wrote while they were queued (see
-            NOTE [Torn copies]).
-    """
-
-    copies_queued: int = 0
-    copies_run: int = 0
-    bytes_copied: int = 0
-    event_waits: int = 0
-    synchronizations: int = 0
-    handoffs: int = 0
-    hazards: int = 0
-    torn_copies: int = 0
-
-
-def _describe(tensor: torch.Tensor | None, label: str, shape: Any = None, dtype: Any = None) -> str:
-    if tensor is not None:
-        shape, dtype = tuple(tensor.shape), tensor.dtype
-    where = f" of {label}" if label else ""
-    return f"tensor{where} (shape {tuple(shape)}, dtype {dtype})"
-
-
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """The address of a tensor's storage, or ``None`` for tensors without a plain one
-    (wrapper subclasses, nested and sparse tensors, storages of fake or meta tensors)."""
-    try:
-        storage = tensor.untyped_storage()
-        if storage.nbytes() == 0:
-            return None
-        return storage.data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-class _End:
-    """One end of a queued copy, held as an accelerator holds a pointer: weakly.
-
-    A plain tensor is held through a weak reference to its *storage*: the memory is
-    what must stay valid, and a temporary view of it (a flattened copy argument) may
-    go.  The storage's weak pointer also outlives the clearing of Python weak
-    references in a garbage-collection cycle, as device memory outlives it on a GPU
-    (the layer state's finalizer issues its wait before the tensors are freed).
-    Other tensors (subclasses, storages of fake tensors) are held by weak reference.
-    """
-
-    __slots__ = ("tensor", "storage", "geometry", "version_of", "version", "key")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.key = _storage_key(tensor)
-        self.version = tensor._version  # views share their base's counter
-        base = tensor._base
-        plain_base = type(base) is torch.Tensor and base.layout is torch.strided
-        self.version_of = weakref.ref(base if plain_base else tensor)
-        self.tensor: weakref.ref[torch.Tensor] | None = None
-        self.storage: StorageWeakRef | None = None
-        if self.key is not None and type(tensor) is torch.Tensor:
-            self.storage = StorageWeakRef(tensor.untyped_storage())
-            self.geometry = (
-                tensor.dtype,
-                tensor.device,
-                tensor.shape,
-                tensor.stride(),
-                tensor.storage_offset(),
-            )
-        else:
-            self.tensor = weakref.ref(tensor)
-
-    def get(self) -> torch.Tensor | None:
-        if self.tensor is not None:
-            return self.tensor()
-        if self.storage is None or self.storage.expired():
-            return None
-        storage = torch.UntypedStorage._new_with_weak_ptr(self.storage.cdata)
-        dtype, device, shape, stride, offset = self.geometry
-        return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
-
-    def modified(self) -> bool:
-        holder = self.version_of()
-        return holder is not None and holder._version != self.version
-
-
-class _Copy:
-    """A queued copy between two weakly held ends."""
-
-    def __init__(self, sim: SimulatedBackend, dst: torch.Tensor, src: torch.Tensor, label: str):
-        self.sim = sim
-        self.src, self.dst = _End(src), _End(dst)
-        self.shape, self.dtype, self.label = tuple(src.shape), src.dtype, label
-        self.done = False
-        self.torn = False  # compute wrote the source while the copy was queued
-
-    def describe(self) -> str:
-        return _describe(None, self.label, self.shape, self.dtype)
-
-    def run(self) -> None:
-        sim = self.sim
-        sim.forget_pending(self)
-        self.done = True
-        with sim.suspended():
-            src, dst = self.src.get(), self.dst.get()
-        if sim.counters.hazards and (src is None or dst is None or self.src.modified()):
-            # The program failed at its first hazard; this is its cleanup (a graph freed
-            # with the traceback, whose finalizer waits for the copies still queued),
-            # which must not raise again where nobody can catch it.
-            sim.counters.hazards += 1
-            return
-        if src is None:
-            sim.hazard(
-                f"the source of a queued copy, {self.describe()}, was freed before the copy "
-                "ran: its memory was released without waiting for the copy's event."
-            )
-        if dst is None:
-            sim.hazard(
-                f"the destination of a queued copy, {self.describe()}, was freed before the "
-                "copy ran: a tensor was dropped while a copy into it was in flight."
-            )
-        # A source modified in place while queued: NOTE [Torn copies].
-        torn = self.torn or self.src.modified() or self.src.key in sim.torn
-        if torn:
-            sim.counters.torn_copies += 1
-            sim.torn.add(self.dst.key)
-        else:
-            sim.torn.discard(self.dst.key)
-        with sim.suspended():
-            dst.copy_(src)
-        sim.counters.copies_run += 1
-        sim.counters.bytes_copied += src.numel() * src.element_size()
-
-
-class _Wait:
-    """A side stream waiting for a position in another side stream."""
-
-    def __init__(self, stream: SimulatedStream, position: int) -> None:
-        self.stream, self.position = stream, position
-        self.done = False
-
-    def run(self) -> None:
-        self.done = True
-        self.stream.run_until(self.position)
-
-
-class SimulatedStream:
-    """A stream of the simulator: compute runs eagerly, side streams queue work."""
-
-    _ids = itertools.count()
-
-    def __init__(self, sim: SimulatedBackend, is_compute: bool) -> None:
-        self.sim = sim
-        self.is_compute = is_compute
-        self.name = "compute" if is_compute else f"side stream {next(self._ids)}"
-        self.queue: list[_Copy | _Wait] = []
-        self.executed = 0
-        self.waited_compute_seq = 0  # compute work this stream has waited for
-
-    def run_until(self, position: int) -> None:
-        # A garbage collection inside a copy (any allocation) may run a layer's
-        # finalizer, which waits on this stream: the nested wait would find the copy
-        # in progress counted as executed and return before it ran.  A device runs its
-        # queue apart from the host; so does the simulator, with the collector off.
-        # Another thread's wait would find the same: it waits for the lock, as a wait
-        # on a device blocks until the copies before it have finished (NOTE [Threads]).
-        with self.sim.lock:
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                while self.executed < min(position, len(self.queue)):
-                    item = self.queue[self.executed]
-                    self.executed += 1
-                    item.run()
-            finally:
-                if collecting:
-                    gc.enable()
-
-    def wait_event(self, event: SimulatedEvent) -> None:
-        self.sim.wait_event(self, event)
-
-    def wait_stream(self, other: SimulatedStream) -> None:
-        self.sim.wait_stream(self, other)
-
-    def synchronize(self) -> None:
-        self.sim.counters.synchronizations += 1
-        self.run_until(len(self.queue))
-
-    def __repr__(self) -> str:
-        return f"SimulatedStream({self.name}, queued={len(self.queue) - self.executed})"
-
-
-class SimulatedEvent:
-    """A position in a stream's queue (or, on compute, a compute sequence number)."""
-
-    def __init__(self, sim: SimulatedBackend) -> None:
-        self.sim = sim
-        self.stream: SimulatedStream | None = None
-        self.position = 0
-        self.compute_seq = 0
-
-    def record(self, stream: SimulatedStream | None = None) -> None:
-        stream = self.sim.compute if stream is None else stream
-        self.stream = stream
-        self.position = len(stream.queue)
-        self.compute_seq = self.sim.compute_seq
-
-    def synchronize(self) -> None:
-        self.sim.counters.synchronizations += 1
-        if self.stream is not None:
-            self.stream.run_until(self.position)
-
-    def query(self) -> bool:
-        return self.stream is None or self.stream.executed >= self.position
+aten = torch.ops.aten
+#: allocations a side stream may issue (NOTE [Allocator reuse across streams])
+_ALLOCATIONS = (
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+)
 
 
 class ComputeWatch(TorchDispatchMode):
@@ -315,18 +106,20 @@ class ComputeWatch(TorchDispatchMode):
         for tensor in flat_args:
             if isinstance(tensor, torch.Tensor):
                 sim.check_compute_access(tensor, write=any(tensor is w for w in written_args))
+        if sim.owned:  # NOTE [Allocator reuse across streams]
+            sim.note_compute_use(flat_args, func)
         out = func(*args, **kwargs)
         sim.compute_seq += 1
         flat_out, _ = tree_flatten(out)
         for tensor in itertools.chain(flat_out, written_args):
             if isinstance(tensor, torch.Tensor):
-                key = _storage_key(tensor)
+                key = storage_key(tensor)
                 if key is not None:
                     sim.last_write[key] = sim.compute_seq
         if sim.torn:  # a new output at a torn address is new memory (NOTE [Torn copies])
             for tensor in flat_out:
                 if isinstance(tensor, torch.Tensor) and not any(tensor is w for w in written_args):
-                    sim.torn.discard(_storage_key(tensor))
+                    sim.torn.discard(storage_key(tensor))
         return out
 
 
@@ -366,6 +159,11 @@ class SimulatedBackend(DeviceBackend):
         #: whether a side-stream copy between non-contiguous tensors is a hazard
         #: (torch_npu synchronises such copies)
         self.contiguous_copies_only = False
+        #: the blocks side streams allocated, live, and the freed ones by stream (NOTE
+        #: [Allocator reuse across streams]); compute's are checked by the queued copies
+        self.owned: dict[int, FreedBlock] = {}
+        self.pools = StreamPools(self._ordered, "strict_streams")
+        self.synced_seq = 0  # compute work the host has waited for
 
     @property
     def current(self) -> SimulatedStream:
@@ -394,37 +192,90 @@ class SimulatedBackend(DeviceBackend):
         self.counters.hazards += 1
         raise StreamHazardError(f"strict_streams: {message}")
 
-    def forget_pending(self, copy: _Copy) -> None:
+    def forget_pending(self, copy: QueuedCopy) -> None:
         if copy.src.key is not None:
             self.pending_reads[copy.src.key] -= 1
         if copy.dst.key is not None:
             self.pending_writes[copy.dst.key] -= 1
 
     def check_compute_access(self, tensor: torch.Tensor, write: bool) -> None:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key is None:
             return
         if self.pending_writes[key] > 0:
             self.hazard(
-                f"compute {'wrote' if write else 'read'} {_describe(tensor, '')} while a "
+                f"compute {'wrote' if write else 'read'} {describe(tensor, '')} while a "
                 "queued copy into it had not run: a wait for the copy's event is missing."
             )
         if write and self.pending_reads[key] > 0:
             for stream in self.streams:  # NOTE [Torn copies]
                 for item in stream.queue[stream.executed :]:
-                    if isinstance(item, _Copy) and item.src.key == key:
+                    if isinstance(item, QueuedCopy) and item.src.key == key:
                         item.torn = True
 
     def run_on_side_stream(self, func: Any, args: Any, kwargs: Any) -> Any:
-        """An op issued while a side stream is current: copies are queued there."""
-        if func is not torch.ops.aten.copy_.default:
+        """An op issued while a side stream is current: copies are queued there, and
+        allocations (a clone is one and a copy) take a block of that stream's pool."""
+        stream = self.current
+        if func in _ALLOCATIONS:
+            with self.suspended():
+                out = func(*args, **kwargs)
+            self.allocated(out, stream)
+            return out
+        if func is aten.clone.default:
+            with self.suspended():
+                out = torch.empty_like(args[0], memory_format=kwargs.get("memory_format"))
+            self.allocated(out, stream)
+            self.copy(out, args[0], stream)
+            return out
+        if func is not aten.copy_.default:
             raise StreamHazardError(
-                f"strict_streams: {func} was issued on {self.current.name}; the simulator "
-                "runs only copies on side streams (run other work on the compute stream)."
+                f"strict_streams: {func} was issued on {stream.name}; the simulator runs "
+                "only copies and allocations on side streams (run other work on the "
+                "compute stream)."
             )
         dst, src = args[0], args[1]
-        self.copy(dst, src, self.current)
+        self.copy(dst, src, stream)
         return dst
+
+    def allocated(self, tensor: torch.Tensor, stream: SimulatedStream) -> None:
+        """``tensor`` was allocated on side stream ``stream``: it may take a block of
+        that stream's pool, and compute's work on it is noted until it is freed."""
+        key = storage_key(tensor)
+        if key is None:
+            return
+        storage = tensor.untyped_storage()
+        what = describe(tensor, "")
+        self.pools.allocate(stream, storage.nbytes(), what, stream.name)
+        self.owned[key] = FreedBlock(round_size(storage.nbytes()), stream.name, what)
+        weakref.finalize(storage, self._freed, key, stream).atexit = False
+
+    def _freed(self, key: int, stream: SimulatedStream) -> None:
+        block = self.owned.pop(key, None)
+        if block is not None:
+            self.pools.free(stream, block)
+
+    def note_compute_use(self, tensors: list[Any], func: Any) -> None:
+        """Compute's next op uses ``tensors``: noted on blocks side streams own."""
+        seq = self.compute_seq + 1
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                block = self.owned.get(storage_key(tensor))  # type: ignore[arg-type]
+                if block is not None:
+                    block.uses[self.compute] = Use(self.compute, "compute", seq, func)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """``tensor.record_stream(stream)``: its block goes back to its pool only after
+        ``stream``'s work on it (here: that work no longer makes its reuse a hazard)."""
+        block = self.owned.get(storage_key(tensor))  # type: ignore[arg-type]
+        if block is not None:
+            block.uses.pop(cast(Hashable, stream), None)
+
+    def _ordered(self, use: Use, stream: Hashable) -> bool:
+        if use.stream is not self.compute or use.stream is stream:
+            return True  # other side streams' queued copies: checked when they run
+        waited = cast(SimulatedStream, stream).waited_compute_seq
+        return max(waited, self.synced_seq) >= use.seq
 
     # ------------------------------------------------------ DeviceBackend
 
@@ -450,7 +301,7 @@ class SimulatedBackend(DeviceBackend):
         elif stream.is_compute:
             source.run_until(event.position)
         else:
-            stream.queue.append(_Wait(source, event.position))
+            stream.queue.append(QueuedWait(source, event.position))
 
     def wait_stream(self, stream: Stream, other: Stream) -> None:
         event = self.new_event()
@@ -470,21 +321,21 @@ class SimulatedBackend(DeviceBackend):
             return
         if self.contiguous_copies_only and not (src.is_contiguous() and dst.is_contiguous()):
             self.hazard(
-                f"a copy of {_describe(src, label)} with strides {src.stride()} into strides "
+                f"a copy of {describe(src, label)} with strides {src.stride()} into strides "
                 f"{dst.stride()} was issued on {stream.name}: torch_npu copies between "
                 "non-contiguous tensors through pageable memory and synchronises the host."
             )
-        item = _Copy(self, dst, src, label)
+        item = QueuedCopy(self, dst, src, label)
         src_key, dst_key = item.src.key, item.dst.key
         if src_key is not None and self.last_write.get(src_key, 0) > stream.waited_compute_seq:
             self.hazard(
-                f"a copy of {_describe(src, label)} was issued on {stream.name} before that "
+                f"a copy of {describe(src, label)} was issued on {stream.name} before that "
                 "stream waited for the compute work that wrote it (a missing wait on the "
                 "tensor's ready event)."
             )
         if dst_key is not None and (self.pending_reads[dst_key] or self.pending_writes[dst_key]):
             self.hazard(
-                f"a copy into {_describe(dst, label)} was issued while an earlier queued "
+                f"a copy into {describe(dst, label)} was issued while an earlier queued "
                 "copy still reads or writes that buffer (a buffer reused too early)."
             )
         if src_key is not None:
@@ -504,15 +355,15 @@ class SimulatedBackend(DeviceBackend):
 
     def before_handoff(self, tensor: torch.Tensor, label: str = "") -> None:
         self.counters.handoffs += 1
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key is not None and self.pending_writes[key] > 0:
             self.hazard(
-                f"{_describe(tensor, label)} was handed back to autograd while the copy "
+                f"{describe(tensor, label)} was handed back to autograd while the copy "
                 "that reloads it was still queued (a missing wait on its reload event)."
             )
         if key in self.torn:
             self.hazard(
-                f"{_describe(tensor, label)} was handed back to autograd holding torn data: "
+                f"{describe(tensor, label)} was handed back to autograd holding torn data: "
                 "a copy it came from read its source while compute was writing it (the "
                 "tensor was modified in place after its offload started, and the unpack "
                 "did not refuse it)."
@@ -520,6 +371,7 @@ class SimulatedBackend(DeviceBackend):
 
     def synchronize(self) -> None:
         self.counters.synchronizations += 1
+        self.synced_seq = self.compute_seq
         for stream in self.streams:
             stream.run_until(len(stream.queue))
 
@@ -529,7 +381,7 @@ class SimulatedBackend(DeviceBackend):
             1
             for stream in self.streams
             for item in stream.queue[stream.executed :]
-            if isinstance(item, _Copy)
+            if isinstance(item, QueuedCopy)
         )
 
 

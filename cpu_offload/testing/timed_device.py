@@ -79,6 +79,7 @@ class TimedRuntime(SyncDebugMode):
         self.timeline = Timeline(profile, record)
         self.clocks: dict[int, Any] = {}
         self.memory = DeviceMemory(self.timeline, self.clocks)
+        self.order = self.memory.order  # what each stream's work is ordered after
         self.compute = self._stream("compute", True, strict.compute if strict else None)
         self.current = self.compute
 
@@ -117,11 +118,13 @@ class TimedRuntime(SyncDebugMode):
         source = event.stream
         if source is not None and source is not stream:
             self.timeline.wait(stream.clock, event.time, f"wait for {source.clock.name}")
+            self.order.wait(stream.clock, event.stamp)
         if self.strict is not None and event.inner is not None:
             self.strict.wait_event(stream.inner, event.inner)
 
     def synchronize(self, device: Any = None) -> None:
         self.host_wait(self.timeline.end(), "synchronize()")
+        self.order.host_saw_all()
         if self.strict is not None:
             self.strict.synchronize()
 
@@ -193,7 +196,11 @@ class TimedRuntime(SyncDebugMode):
         """A copy of ``nbytes`` on the current stream (``"d2h"``, ``"h2d"``, ``"d2d"``)."""
         if direction != "d2d" and not pinned:
             self._on_sync(f"a {direction} copy with pageable memory")
-        self.timeline.copy(self.current.clock, direction, nbytes, pinned, nbytes)
+        clock = self.current.clock
+        self.timeline.copy(clock, direction, nbytes, pinned, nbytes)
+        if direction != "d2d" and not pinned:  # the host waited for it
+            order = self.memory.order
+            order.host_saw({**order.stamp(clock), clock: order.issued.get(clock, 0) + 1})
 
     # -- what the program tells the report (TimedReport.mark, TimedReport.begin)
     def mark(self, label: str, not_counted: Iterable[Any]) -> MemoryMark:
@@ -224,15 +231,22 @@ class OpTiming(TorchDispatchMode):
             kwargs, host, pinned = runtime.placement(kwargs)
         clock = runtime.current.clock
         timeline = runtime.timeline
+        memory = runtime.memory
         if func is aten.copy_.default:
             runtime.copy(args[0], args[1])
+            seq = memory.order.tick(clock)
+            memory.use(args[0], clock, seq, "copy into")
+            memory.use(args[1], clock, seq, "copy from")
             return func(*args, **kwargs)
         if func is aten._local_scalar_dense.default:  # .item(): the host waits for the value
             runtime.host_wait(clock.time, "reading a value from the device")
+            memory.order.host_saw(memory.order.stamp(clock))
         out = func(*args, **kwargs)
-        memory = runtime.memory
         inputs = tensors_in(kwargs, tensors_in(args))
         outputs = tensors_in(out)
+        seq = memory.order.tick(clock)
+        for tensor in inputs:
+            memory.use(tensor, clock, seq, func)
         placed = kwargs.get("device") is not None  # where its output goes is said
         if not host and inputs and not placed:  # an operator on host memory runs on the host
             host = all(b is not None and b.host for b in map(memory.block, inputs))
@@ -340,6 +354,9 @@ def _fill(report: TimedReport, runtime: TimedRuntime) -> None:
     report.d2h_bytes, report.h2d_bytes = timeline.copied["d2h"], timeline.copied["h2d"]
     report.peak_bytes, report.end_bytes = memory.peak, memory.allocated
     report.host_peak_bytes = memory.host_peak
+    report.block_reuses = memory.pools.reuses
+    report.pinned_reserved_bytes = memory.pinned.peak_reserved
+    report.pinned_allocations = memory.pinned.allocations
     report.marks, report.curve = memory.marks, memory.curve
     report.streams, report.host_log = timeline.streams, timeline.host_log
     memory.close()

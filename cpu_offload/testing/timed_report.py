@@ -53,6 +53,12 @@ class TimedReport:
         curve: ``(time, bytes allocated)`` at every change.
         streams: the streams' clocks and logs, the compute stream first.
         host_log: ``(start, end, what)`` of each host stall.
+        pinned_reserved_bytes: the most pinned memory torch's caching host allocator held
+            (power-of-two rounding, cached free blocks: NOTE [Modeled pinned memory]).
+        pinned_allocations: the pinned blocks it had to make (``cudaHostAlloc`` calls).
+        block_reuses: allocations that took a freed block of their stream's pool, each
+            checked against other streams' work on the old tensor (NOTE [Allocator reuse
+            across streams]).
     """
 
     profile: DeviceProfile
@@ -70,6 +76,9 @@ class TimedReport:
     peak_bytes: int = 0
     end_bytes: int = 0
     host_peak_bytes: int = 0
+    block_reuses: int = 0
+    pinned_reserved_bytes: int = 0
+    pinned_allocations: int = 0
     marks: list[MemoryMark] = field(default_factory=list, repr=False)
     curve: list[tuple[float, int]] = field(default_factory=list, repr=False)
     streams: list[StreamClock] = field(default_factory=list, repr=False)

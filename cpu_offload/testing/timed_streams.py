@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from ..device.backend import HostTimingEvent
+from .allocator_pools import StreamOrder
 from .clocks import StreamClock, Timeline
 
 __all__ = ["Runtime", "TimedEvent", "TimedStream"]
@@ -25,6 +26,7 @@ class Runtime(Protocol):
 
     timeline: Timeline
     current: TimedStream
+    order: StreamOrder
 
     def Event(self, enable_timing: bool = False) -> TimedEvent: ...  # noqa: N802
 
@@ -68,6 +70,7 @@ class TimedStream(torch.Stream):
 
     def synchronize(self) -> None:
         self.runtime.host_wait(self.clock.time, f"{self.clock.name}.synchronize()")
+        self.runtime.order.host_saw(self.runtime.order.stamp(self.clock))
         if self.inner is not None:
             self.inner.synchronize()
 
@@ -92,16 +95,19 @@ class TimedEvent:
         self.inner = inner
         self.stream: TimedStream | None = None
         self.time = 0.0
+        self.stamp: dict[Any, int] = {}  # what work completes before it (StreamOrder)
 
     def record(self, stream: TimedStream | None = None) -> None:
         stream = stream if stream is not None else self.runtime.current
         self.stream = stream
         self.time = self.runtime.timeline.now(stream.clock)
+        self.stamp = self.runtime.order.stamp(stream.clock)
         if self.inner is not None:
             self.inner.record(stream.inner)
 
     def synchronize(self) -> None:
         self.runtime.host_wait(self.time, "event.synchronize()")
+        self.runtime.order.host_saw(self.stamp)
         if self.inner is not None:
             self.inner.synchronize()
 

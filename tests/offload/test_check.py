@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from cpu_offload import OffloadableLayerState, check
@@ -77,3 +78,16 @@ def test_host_syncs_through_the_accelerator_backend():
         result = check.check_host_syncs(get_backend("cpu"))
     assert result.status == check.NOT_RUN
     assert result.detail == "the npu runtime does not report synchronisations to Python"
+
+
+def test_check_help_is_plain_text_and_every_flag_says_its_default(capsys):
+    with pytest.raises(SystemExit) as exited:
+        check.main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text
+    assert "python -m cpu_offload.check: the first command to run" in " ".join(text.split())
+    options = text.split("options:")[1]
+    for flag in ("--device", "--json", "--full", "--simulate"):
+        assert flag in options
+    assert options.count("(default:") == 4  # every flag but --help

@@ -195,6 +195,8 @@ def predicted_outcomes(num_layers, calls):
         if state[layer] is needs[action]:
             state[layer] = after[action]
             outcomes.append("ok")
+        elif action == "start_reload_layer" and state[layer] is LayerState.RELOAD_STARTED:
+            outcomes.append("ok")  # a repeated prefetch request: harmless (issue 51)
         else:
             outcomes.append("error")
     return outcomes

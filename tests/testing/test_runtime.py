@@ -43,7 +43,7 @@ def test_a_missing_ready_wait_is_a_hazard():
 def test_only_copies_run_on_a_side_stream():
     with strict_runtime("cuda") as runtime:
         with runtime.stream(runtime.Stream()):
-            with pytest.raises(StreamHazardError, match="runs only copies on side streams"):
+            with pytest.raises(StreamHazardError, match="runs only copies and allocations on side"):
                 torch.ones(3).mul_(2)
 
 

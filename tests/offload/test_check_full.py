@@ -1,0 +1,59 @@
+"""``python -m cpu_offload.check --full --simulate h100`` (NOTE [The first hour on a GPU]):
+the command that runs first on a GPU, run in CI on the modeled device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cpu_offload import check, check_full
+
+SIMULATED = {
+    "llama8b-layer benchmark",
+    "peers' rows",
+    "keep_passes and ZB-V, 2-rank pipeline",
+    "32 x 8k at k = 24",
+}
+
+
+def test_full_simulated_runs_every_row_it_can_and_says_what_the_others_need(tmp_path, capsys):
+    path = tmp_path / "full.json"
+    assert check.main(["--full", "--simulate", "h100", "--json", str(path)]) == 0
+    document = json.loads(path.read_text())
+    assert document["environment"]["simulate"] == "h100"
+    rows = document["checks"]
+    names = ["device checks"] + [name for name, _, _ in check_full.CHECKS]
+    assert [row["name"] for row in rows] == names
+    for row in rows:
+        assert row["status"] == ("PASS" if row["name"] in SIMULATED else "NOT RUN"), row
+        assert row["figure"] and row["needs"]
+    by_name = {row["name"]: row for row in rows}
+    assert "agreement over" in by_name["32 x 8k at k = 24"]["figure"]
+    assert "torchtune: peer/ours" in by_name["peers' rows"]["figure"]
+    assert by_name["pinned rounding vs host_memory_stats()"]["figure"] == (
+        "modeled: 600 MiB pinned holds 1024 MiB"
+    )
+    out = capsys.readouterr().out
+    assert "| check (modeled h100) | status | figure | needs |" in out
+    assert out.count("| PASS |") == len(SIMULATED)
+
+
+def test_a_row_that_fails_or_raises_is_a_fail_and_the_exit_status_says_so(monkeypatch, capsys):
+    def broken(device, simulate):
+        raise RuntimeError("no such device")
+
+    checks = [("broken", "nothing", broken), ("fine", "nothing", lambda d, s: ("PASS", "1"))]
+    monkeypatch.setattr(check_full, "CHECKS", checks)
+    assert check.main(["--full", "--simulate", "h100"]) == 1
+    out = capsys.readouterr().out
+    assert "| device checks | NOT RUN |" in out
+    assert "| broken | FAIL | RuntimeError: no such device | nothing |" in out
+    assert "| fine | PASS | 1 | nothing |" in out
+
+
+def test_simulate_goes_with_full(capsys):
+    with pytest.raises(SystemExit) as exited:
+        check.main(["--simulate", "h100"])
+    assert exited.value.code == 2
+    assert "--simulate PROFILE: goes with --full" in capsys.readouterr().err
