@@ -39,7 +39,7 @@ from torch import nn
 from ..errors import CpuOffloadError
 from .module_hooks import ModuleHook
 
-__all__ = ["CompiledEntries", "EagerEntry", "refusal"]
+__all__ = ["CompiledEntries", "EagerEntry", "refusal", "untraced"]
 
 Enter = Callable[[nn.Module, Any], None]
 Leave = Callable[[nn.Module, Any, Any], None]
@@ -261,3 +261,17 @@ def refusal(memory_budget: bool, modules: bool, checkpoints: bool) -> str | None
         'With compiled layers pass k, or policy= of "offload" and "keep"; or leave the '
         "layers uncompiled."
     )
+
+
+def untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` (a module hook of a skipped module, NOTE [Hooks around compiled code]) that
+    does nothing while dynamo traces it: a block compiled with its hooks
+    (``block.compile(fullgraph=True)``) gets no graph break from it, and its layer is
+    entered around its compiled call instead."""
+
+    def call(*args: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return hook(*args)
+        return None
+
+    return call

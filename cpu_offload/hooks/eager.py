@@ -32,7 +32,6 @@ F = TypeVar("F", bound=Callable)
 #: ``start_offload`` called in a compiled function is traced, and does nothing there)
 _HOOK_MODULES = (
     "cpu_offload.engine.backward_hook",
-    "cpu_offload.engine.chunk_engine",
     "cpu_offload.chunked",
     "cpu_offload.report.copy_timer",
     "cpu_offload.device.runtime",

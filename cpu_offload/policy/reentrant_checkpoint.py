@@ -49,6 +49,7 @@ from ..hooks.autograd_hooks import (
     push_saved_tensor_hooks,
     top_pack_hook,
 )
+from ..hooks.compiled_entry import untraced
 from ..hooks.eager import eager
 from ..hooks.handles import unpack_saved
 from ..hooks.module_hooks import ModuleHook
@@ -286,9 +287,10 @@ def watch_reentrant_checkpoints(layers: list[nn.Module], context: OffloadContext
     checkpoints they may run in; returns what to ``remove()``."""
     watcher = ReentrantCheckpoints(context)
     # ModuleHooks: a copy of the model gets pass-throughs (NOTE [Copies of hooked modules]);
-    # run eagerly, never traced (NOTE [Hooks around compiled code])
+    # run eagerly, never traced (NOTE [Hooks around compiled code]), nothing under dynamo
     first, pre, post = (
-        ModuleHook(eager(hook)) for hook in (watcher.entering, watcher.entered, watcher.left)
+        ModuleHook(untraced(eager(hook)))
+        for hook in (watcher.entering, watcher.entered, watcher.left)
     )
     removables: list[Any] = [watcher]
     for layer in layers:
