@@ -229,6 +229,9 @@ class AutoPolicy:
 
     measured_peak = property(lambda self: self.peak.measured_peak)
 
+    def sample_memory(self, backward: bool) -> None:
+        self.peak.sample(self.synchronizer.backend, backward)
+
     def step_starts(self) -> None:
         backend, plan = self.synchronizer.backend, self.plan
         waiting = len(self.synchronizer.waiting_passes())  # NOTE [A stage's passes in flight]

@@ -68,6 +68,11 @@ class StepListener(Protocol):
         """Layer 0 of a planned pass ended; True: measure the rest of the pass again."""
         return False
 
+    def sample_memory(self, backward: bool) -> None:
+        """A layer's forward ended, or backward reached a layer (``backward``): note the
+        device memory allocated now (NOTE [A step's peak, the user's statistics] in
+        budget_watch.py)."""
+
     @property
     def policy(self) -> list[str] | None:
         """The plan's policy in force; None while the first step is measured."""
@@ -206,6 +211,7 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
                 self._clock.start(layer)
 
     def fwd_end(self) -> None:
+        self.listener.sample_memory(False)
         current = self.current_pass
         if current is not None and current.layers_forwarded:
             layer = current.layers_forwarded - 1
@@ -234,6 +240,10 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
             self.why_unmeasured = "the measured forward raised an exception, or was left"
             self._stop_measuring(again=True)  # an exception: measure the next pass
         super().abort_forward(failed)
+
+    def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
+        self.listener.sample_memory(True)
+        super()._on_backward(forward_pass, layer)
 
     def _layer_ended(
         self, forward_pass: ForwardPass, layer: int, state: ObservedLayerState
