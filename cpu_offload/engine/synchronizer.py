@@ -117,17 +117,24 @@ class OffloadSynchronizer(OffloadEngine):
 
     def _new_pass(self) -> ForwardPass:
         forward_pass = ForwardPass(self.model_layers, self.new_layer_state)
-        if self.pass_schedule is not None:
-            self.pass_schedule.pass_starts(forward_pass, self.waiting_passes())
         with self._passes_lock:
             self._passes = [ref for ref in self._passes if ref() is not None]
             self._passes.append(weakref.ref(forward_pass))
-            self.stats.forward_passes += 1
         return forward_pass
+
+    def _pass_saves(self, forward_pass: ForwardPass) -> None:
+        """A layer of ``forward_pass`` starts with grad enabled, its first: the pass
+        counts from now on (NOTE [A pass that saves nothing] in forward_pass.py)."""
+        waiting = self.waiting_passes()  # without this one: it saved nothing so far
+        forward_pass.with_grad = True
+        if self.pass_schedule is not None:
+            self.pass_schedule.pass_starts(forward_pass, waiting)
+        with self._passes_lock:
+            self.stats.forward_passes += 1
 
     def waiting_passes(self) -> list[ForwardPass]:
         """Passes in flight whose backward has not started, oldest first (a stage's queue)."""
-        return [p for p in self.in_flight_passes() if not p.backward_reached]
+        return [p for p in self.in_flight_passes() if p.with_grad and not p.backward_reached]
 
     def in_flight_passes(self) -> list[ForwardPass]:
         """Forward passes whose graphs are alive, oldest first (not a pass left between
@@ -194,6 +201,8 @@ class OffloadSynchronizer(OffloadEngine):
             forward_pass = self._new_pass()
             forward_pass.follows, forwarding.finished = forwarding.finished, None
             forwarding.current = forward_pass
+        if not forward_pass.with_grad and torch.is_grad_enabled():
+            self._pass_saves(forward_pass)
         layer = forward_pass.layers_forwarded
         forward_pass.layers_forwarded += 1
         self._on_forward(forward_pass, layer)
