@@ -25,7 +25,8 @@ NOTE [The automatic policy]
     3. On a device that reports memory, each step's peak (the most allocated during the
        step, less what was allocated when it started, less the parameters' gradients
        the step may have allocated: the planner counts activations only) is compared
-       with the predicted peak (budget_watch.py).  The first time it exceeds it by
+       with the predicted peak (budget_watch.py; the device's peak statistics are never
+       reset: NOTE [A step's peak, the user's statistics]).  The first time it exceeds it by
        more than ``REPLAN_MARGIN`` of the budget, a warning says so and the plan is
        made again with that excess (what the event model does not count) taken off
        the budget.
