@@ -46,14 +46,16 @@ NOTE [A backward queue per thread]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 from ..log import warn
 from ..report.stats import OffloadStats
 from .forward_pass import ForwardPass
 from .transitions import LayerState
 
-__all__ = ["PassSchedule", "check_keep_passes", "moves_whole"]
+__all__ = ["PassSchedule", "check_keep_passes", "counts_from_now", "moves_whole"]
 
 
 def check_keep_passes(keep_passes: object, owner: str = "cpu_offload") -> int | None:
@@ -184,6 +186,24 @@ class PassSchedule:
                 stacklevel=6,
             )
         self.bring_back(forward_pass)
+
+
+def counts_from_now(
+    forward_pass: ForwardPass,
+    stats: OffloadStats,
+    lock: AbstractContextManager[Any],
+    schedule: PassSchedule | None,
+    waiting: Callable[[], Sequence[ForwardPass]],
+) -> None:
+    """A layer of ``forward_pass`` starts with grad enabled, its first: the pass counts
+    (``stats.forward_passes``, under ``lock``) and takes its place in its thread's
+    backward queue (``waiting()``, which leaves it out) from now on (NOTE [A pass that
+    saves nothing] in forward_pass.py)."""
+    forward_pass.with_grad = True
+    with lock:
+        stats.forward_passes += 1
+    if schedule is not None:
+        schedule.pass_starts(forward_pass, waiting())
 
 
 def same_thread(forward_pass: ForwardPass, passes: Sequence[ForwardPass]) -> list[ForwardPass]:

@@ -25,7 +25,7 @@ from ..log import warn
 from .forward_pass import ForwardPass
 from .layer_state import OffloadableLayerState
 from .offload_engine import OffloadEngine
-from .pass_schedule import PassSchedule, check_keep_passes
+from .pass_schedule import PassSchedule, check_keep_passes, counts_from_now
 from .schedule import check_offloaded_layers, max_offloaded, schedule_points
 from .transitions import LayerState
 
@@ -122,16 +122,6 @@ class OffloadSynchronizer(OffloadEngine):
             self._passes.append(weakref.ref(forward_pass))
         return forward_pass
 
-    def _pass_saves(self, forward_pass: ForwardPass) -> None:
-        """A layer of ``forward_pass`` starts with grad enabled, its first: the pass
-        counts from now on (NOTE [A pass that saves nothing] in forward_pass.py)."""
-        waiting = self.waiting_passes()  # without this one: it saved nothing so far
-        forward_pass.with_grad = True
-        if self.pass_schedule is not None:
-            self.pass_schedule.pass_starts(forward_pass, waiting)
-        with self._passes_lock:
-            self.stats.forward_passes += 1
-
     def waiting_passes(self) -> list[ForwardPass]:
         """Passes in flight whose backward has not started, oldest first (a stage's queue)."""
         return [p for p in self.in_flight_passes() if p.with_grad and not p.backward_reached]
@@ -202,7 +192,8 @@ class OffloadSynchronizer(OffloadEngine):
             forward_pass.follows, forwarding.finished = forwarding.finished, None
             forwarding.current = forward_pass
         if not forward_pass.with_grad and torch.is_grad_enabled():
-            self._pass_saves(forward_pass)
+            lock, schedule = self._passes_lock, self.pass_schedule
+            counts_from_now(forward_pass, self.stats, lock, schedule, self.waiting_passes)
         layer = forward_pass.layers_forwarded
         forward_pass.layers_forwarded += 1
         self._on_forward(forward_pass, layer)
