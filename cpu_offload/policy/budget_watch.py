@@ -13,8 +13,8 @@ NOTE [A step's peak, the user's statistics]
     each layer's backward start (``PlannedOffloadSynchronizer``), less the gradients
     allocated by then.  That is a lower bound: a temporary that lives only inside a
     layer's forward or backward (a checkpointed layer's recompute among them) is not
-    seen.  A
-    user who resets the statistic before each step gets the exact peak every step.
+    seen.  The statistic is read when the next step starts: a reset made before then (a
+    training loop that resets before each step) leaves the sampled bound.
 """
 
 from __future__ import annotations

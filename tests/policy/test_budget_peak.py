@@ -62,11 +62,10 @@ def test_the_device_peak_statistic_stays_the_runs_peak_under_a_budget():
     assert seen[-1][2] == plan.predicted.peak_bytes == 20 * MIB
 
 
-def test_a_user_who_resets_each_step_reads_each_steps_peak_and_so_does_the_watch():
+def test_a_user_who_resets_each_step_reads_each_steps_peak_and_the_watch_still_measures():
     seen, plan = budgeted_steps(4, reset_each_step=True)
     statistics = [statistic for statistic, _, _ in seen]
     assert statistics[-1] < statistics[0]  # a planned step peaks below the measured one
     sampled, _ = budgeted_steps(4)
-    # each planned step raised the statistic the user reset: the watch read it exactly,
-    # and here it is what the samples found without a reset
+    # the reset comes before the watch reads the statistic: it samples, as without one
     assert seen[-1][2] == sampled[-1][2] == plan.predicted.peak_bytes
