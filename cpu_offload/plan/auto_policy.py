@@ -69,6 +69,7 @@ from ..policy.memory_budget import (
     said_budget,
     size,
 )
+from ..policy.model_checkpoints import count_model_checkpoint
 from ..policy.planned_synchronizer import PlannedOffloadSynchronizer
 from ..policy.policy import CHECKPOINTED, OFFLOADED, checkpoint_hazards
 from .policy_plan import PolicyPlan
@@ -89,6 +90,9 @@ NO_MODULES = "no module to checkpoint: the layers run in the host library's own 
 NO_PLAN_WARNING_STEPS = 4
 #: what a layer that did not run in the measured step cannot be (until it runs)
 NOT_MEASURED = "not measured yet (it did not run in the measured step)"
+#: why a layer the model checkpoints itself is not checkpointed again (its recompute is
+#: counted: NOTE [A checkpoint the model placed] in policy/model_checkpoints.py)
+BY_THE_MODEL = "checkpointed by the model already (gradient checkpointing)"
 #: the options a planned context takes (those of get_cpu_offload_context that remain)
 OPTIONS: tuple[str, ...] = ("retain_pinned_cpu_buffers", "device", "min_offload_numel")
 OPTIONS += ("min_offload_bytes", "max_host_bytes")
@@ -166,6 +170,7 @@ class AutoPolicy:
         self._planned: set[int] = set()  # the modules the plan checkpoints
         self._warned: set[str] = set()
         self._hooks: list[RemovableHandle] = []
+        self._restores: list[Callable[[], None]] = []  # model_checkpoints.py
         self.in_flight = 1  #: the most forward passes in flight at once (step_starts)
         if self.layers is None:
             self.hazards = [[NO_MODULES]] * num_layers
@@ -214,6 +219,9 @@ class AutoPolicy:
     def _note_inputs(self, module: nn.Module, args: Any) -> None:
         if self.enabled():
             self.synchronizer.note_inputs([a for a in args if isinstance(a, torch.Tensor)])
+            restore = count_model_checkpoint(module, self.synchronizer.checkpointed)
+            if restore is not None:  # NOTE [A checkpoint the model placed]
+                self._restores.append(restore)
 
     def remove(self) -> None:
         """Remove the input hooks, the checkpoint wrappers and the optimizer hook."""
@@ -225,6 +233,9 @@ class AutoPolicy:
         for request in self._checkpointing:
             request.remove()
         self._checkpointing.clear()
+        for restore in self._restores:
+            restore()
+        self._restores.clear()
 
     # ---------------------------------------------------- what the step says
 
@@ -323,6 +334,9 @@ class AutoPolicy:
         stand_in = max(ran, key=lambda r: r.saved_bytes)
         records = [r if r is not None else stand_in for r in found]
         hazards = [h + [NOT_MEASURED] if r is None else h for h, r in zip(self.hazards, found)]
+        hazards = [
+            h + [BY_THE_MODEL] if r and r.recompute_bytes else h for h, r in zip(hazards, found)
+        ]
         timed = [r.forward_s for r in records if r.forward_s is not None]
         fill = sum(timed) / len(timed) if timed else 0.0
         costs = []
@@ -337,6 +351,7 @@ class AutoPolicy:
                     BACKWARD_PER_FORWARD * forward,
                     record.input_bytes,
                     record.input_offloaded_bytes,
+                    recompute_bytes=record.recompute_bytes,
                 )
             )
         if self.link is None:

@@ -41,6 +41,7 @@ from .measured_step import (
     LayerClock,
     MeasuredLayer,
     ObservedLayerState,
+    checkpointed_bytes,
     measure_inputs,
     measure_pushed,
 )
@@ -206,7 +207,7 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
                 self._with_grad.add(layer)
             state = forward_pass.state(layer)
             if isinstance(state, ObservedLayerState):
-                state.seen = []
+                state.seen, state.checkpointed = [], []
             if measuring and self._clock is not None:
                 self._clock.start(layer)
 
@@ -233,13 +234,23 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
             for layer in range(current.layers_forwarded):
                 state = current.made_state(layer)
                 if isinstance(state, ObservedLayerState):
-                    state.seen = None
+                    state.seen = state.checkpointed = None
         self._inputs = {}
         self._with_grad.clear()
         if self.measuring(current):
             self.why_unmeasured = "the measured forward raised an exception, or was left"
             self._stop_measuring(again=True)  # an exception: measure the next pass
         super().abort_forward(failed)
+
+    def checkpointed(self) -> list[torch.Tensor] | None:
+        """Where a checkpoint the model placed in the layer whose forward runs notes what
+        it saves, while that layer is measured (NOTE [A checkpoint the model placed] in
+        model_checkpoints.py); None otherwise."""
+        current = self.current_pass
+        if current is None or not current.layers_forwarded:
+            return None
+        state = current.made_state(current.layers_forwarded - 1)
+        return state.checkpointed if isinstance(state, ObservedLayerState) else None
 
     def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
         self.listener.sample_memory(True)
@@ -253,7 +264,10 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
             self._clock.stop(layer)
         seen, state.seen = state.seen or [], None
         record = self._measure(seen, state.pending_copies())
-        del seen
+        checkpointed, state.checkpointed = state.checkpointed, None
+        if checkpointed:  # NOTE [A checkpoint the model placed] in model_checkpoints.py
+            record.recompute_bytes = checkpointed_bytes(checkpointed, seen, self.excluded)
+        del seen, checkpointed
         inputs = self._inputs.pop(layer, None)
         if inputs:
             measure_inputs(

@@ -969,6 +969,27 @@ def automatic_policy(
     return program
 
 
+def budget_with_the_models_checkpointing(off: Offload) -> list[torch.Tensor]:
+    """``memory_budget=`` on a tiny Llama with transformers' gradient checkpointing
+    (attention dropout: RNG in every recompute): a measured step, whose checkpoints'
+    recomputes are measured, then two planned steps (NOTE [A checkpoint the model placed]
+    in policy/model_checkpoints.py)."""
+    model = tiny_hf_model("Llama", L, attention_dropout=0.25)
+    model.gradient_checkpointing_enable()
+    model.train()
+    off.budget(list(model.model.layers))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    found = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # use_cache, and budgets nothing fits
+        for step in range(3):
+            torch.manual_seed(step)
+            model(input_ids=ids, labels=ids).loss.backward()
+            found += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            model.zero_grad(set_to_none=True)
+    return found
+
+
 def budget_under_a_host_cap(off: Offload) -> list[torch.Tensor]:
     """offload_layers(memory_budget=..., max_host_bytes=...): the plan checkpoints where
     the host is short, and the steps move what it predicts, nothing refused by the cap."""
@@ -1464,6 +1485,9 @@ PROGRAMS = {
     ),
     "reloaded in slices, passes moved whole, reverse": Row(
         sliced_passes_moved_whole("F0 F1 F2 F3 B3 B2 B1 B0")
+    ),
+    "memory_budget with the model's gradient checkpointing": Row(
+        budget_with_the_models_checkpointing
     ),
     "keep_passes=1, a no_grad forward between two passes": Row(evaluation_between_passes_kept_one),
     "keep_passes=1, two threads share the context, steps alternating": Row(two_threads_kept_one),
