@@ -25,6 +25,7 @@ NOTE [A checkpoint the model placed]
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +59,11 @@ class CountedCheckpoint:
     ) -> None:
         self.function = function
         self.noted = noted
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of the model (an EMA, a reference model) gets the model's own function,
+        not this wrapper and the offloader it reaches."""
+        return copy.deepcopy(self.function, memo)
 
     def __call__(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self.function(functools.partial(self._counted, run), *args, **kwargs)

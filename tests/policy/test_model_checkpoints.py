@@ -4,6 +4,7 @@ its backward, and the layer is not checkpointed a second time."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -58,6 +59,23 @@ def test_the_recompute_of_the_models_checkpoint_is_measured_and_counted(capsys):
     )
     for expected, actual in zip(plain_grads, grads):
         assert all(torch.equal(a, b) for a, b in zip(expected, actual))
+
+
+def test_a_copy_of_the_model_gets_its_own_checkpoint_function():
+    model = tiny_hf_model("Llama", 2)
+    model.gradient_checkpointing_enable()
+    original = model.model.layers[0]._gradient_checkpointing_func
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = offload_layers(model, memory_budget="400MiB", min_offload_numel=0)
+        model(input_ids=TOKENS, labels=TOKENS).loss.backward()  # measured: wrapped
+    layer = model.model.layers[0]
+    assert isinstance(layer.__dict__["_gradient_checkpointing_func"], CountedCheckpoint)
+    copied = copy.deepcopy(layer)._gradient_checkpointing_func
+    assert not isinstance(copied, CountedCheckpoint)
+    assert copied.func is original.func and copied.keywords == original.keywords
+    handle.remove()
+    assert layer._gradient_checkpointing_func is original
 
 
 def checkpointed_layers_measured(plain, ours) -> bool:
