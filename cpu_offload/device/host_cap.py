@@ -11,7 +11,7 @@ NOTE [Host cap of a rank]
     * times :data:`AUTO_HOST_FRACTION` (0.8): the rest stays for the data loaders, the
       checkpoint writer and the page cache;
     * divided by the ranks on the node: ``LOCAL_WORLD_SIZE`` as torchrun sets it (1
-      without it).
+      without it; a value that is no whole number >= 1 is refused, naming it).
 
     Any other value means what it means for ``memory_budget=``: bytes as an int, or a
     string with its unit (``"64GiB"``), parsed by :mod:`cpu_offload.device.amounts`.
@@ -64,12 +64,28 @@ def cgroup_memory_available(root: str = "/sys/fs/cgroup") -> int | None:
 
 
 def local_world_size(environ: Mapping[str, str] | None = None) -> int:
-    """The ranks on this node: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1."""
-    text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
-    try:
-        return max(1, int(text))
-    except ValueError:
+    """The ranks on this node: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1.
+
+    Raises:
+        ValueError: ``LOCAL_WORLD_SIZE`` is set but is no whole number >= 1 (``"0"``,
+            ``"-1"``, ``"abc"``): read as one rank, each rank would take the node's share.
+    """
+    text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE")
+    if text is None or not text.strip():
         return 1
+    try:
+        ranks = int(text)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise ValueError(
+            f"cpu_offload: max_host_bytes='auto' shares the node's host memory among its "
+            f"ranks, which it reads from LOCAL_WORLD_SIZE; expected a whole number >= 1 (as "
+            f"torchrun sets it), found LOCAL_WORLD_SIZE={text!r}. Set it to the ranks on "
+            "this node (or unset it for one), or give max_host_bytes as bytes or a string "
+            "such as '8GiB'."
+        )
+    return ranks
 
 
 def auto_host_cap(

@@ -1,7 +1,18 @@
-"""One forward pass in flight: the layer states it owns and where its backward is."""
+"""One forward pass in flight: the layer states it owns and where its backward is.
+
+NOTE [A pass that saves nothing]
+    A forward under ``torch.no_grad()`` (evaluation between micro-batches) goes through
+    the layers' contexts as any other and is a pass, but saves nothing and has no
+    backward.  A pass counts from the first of its layers that starts with grad enabled
+    (``with_grad``): only then is it counted (``stats.forward_passes``), placed in the
+    backward queue (``waiting_passes``) and, with ``keep_passes``, moved whole or not.
+    A pass none of whose layers ran with grad is none of these: it moves nothing, and
+    holding its output does not push the next training pass down the queue.
+"""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -44,6 +55,10 @@ class ForwardPass:
             (``keep_passes``: NOTE [Moving a pass whole] in pass_schedule.py), and
         brought_back: whether its reload has started, and
         reload_next: the next of its layers to reload, from the last down (-1: none).
+        with_grad: whether a layer of it started with grad enabled (NOTE [A pass that
+            saves nothing]).
+        thread: the thread that started its forward (its backward queue's: NOTE [A
+            backward queue per thread] in pass_schedule.py).
     """
 
     def __init__(
@@ -74,6 +89,8 @@ class ForwardPass:
         #: between steps (for the step report)
         self.end_of_forward: Measured | None = None
         self.choices: list[str] | None = None
+        self.with_grad = False
+        self.thread = threading.get_ident()
         self.moved_whole = False
         self.brought_back = False
         self.reload_next = -1

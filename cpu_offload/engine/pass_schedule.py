@@ -28,11 +28,27 @@ NOTE [Moving a pass whole]
     ``stats.on_demand_reloads``, warned once), and the rest as above.  Every copy is the
     per-layer mechanism's (``layer_state.py``): what a pass moves whole computes what it
     computes kept.
+
+NOTE [A backward queue per thread]
+    The queue is per thread: a pass's position counts the waiting passes whose forward
+    ran in the same thread (``ForwardPass.thread``), and a backward brings back only
+    such passes.  Two threads that share a model run their steps in no order the
+    schedule can know, so another thread's pass is never "next": moving it whole for a
+    pass of this thread, or bringing it back from this thread's backward, would act on
+    it while its own thread runs it.  Bringing it back from here raced with its own
+    backward: its pop could find a layer whose reload this thread had started but not
+    yet filled in (an ``IndexError`` in the pop; tests/offload/test_pass_threads.py forces
+    that interleaving).  A thread's passes still move whole behind its own, and each
+    pass's layers are copied and reloaded from the thread that runs it.  The thread is
+    the forward's: a backward that autograd runs in a worker thread (a device's) brings
+    back the passes of the thread that ran the forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 from ..device.amounts import integer
 from ..log import warn
@@ -40,7 +56,7 @@ from ..report.stats import OffloadStats
 from .forward_pass import ForwardPass
 from .transitions import LayerState
 
-__all__ = ["PassSchedule", "check_keep_passes", "moves_whole"]
+__all__ = ["PassSchedule", "check_keep_passes", "counts_from_now", "moves_whole"]
 
 
 def check_keep_passes(keep_passes: object, owner: str = "cpu_offload") -> int | None:
@@ -83,8 +99,10 @@ class PassSchedule:
 
     def pass_starts(self, forward_pass: ForwardPass, waiting: Sequence[ForwardPass]) -> None:
         """``forward_pass`` starts its forward behind ``waiting`` (older passes whose
-        backward has not started): it moves whole if its position is ``N`` or more."""
-        forward_pass.moved_whole = moves_whole(len(waiting), self.keep_passes)
+        backward has not started): it moves whole if its position (among the passes of
+        its thread: NOTE [A backward queue per thread]) is ``N`` or more."""
+        ahead = len(same_thread(forward_pass, waiting))
+        forward_pass.moved_whole = moves_whole(ahead, self.keep_passes)
         if forward_pass.moved_whole:
             self.stats.passes_moved_whole += 1
 
@@ -107,11 +125,11 @@ class PassSchedule:
     def backward_starts(self, forward_pass: ForwardPass, waiting: Sequence[ForwardPass]) -> None:
         """The backward of ``forward_pass`` starts; ``waiting``: the passes whose
         backward has not started, oldest first.  A moved pass not brought back starts
-        its last layer's reload now (on demand); the moved passes that move up to a
-        position below ``N`` start bringing their last layer back."""
+        its last layer's reload now (on demand); the moved passes of its thread that
+        move up to a position below ``N`` start bringing their last layer back."""
         if forward_pass.moved_whole and not forward_pass.brought_back:
             self._reload_on_demand(forward_pass)
-        for queued in waiting[: self.keep_passes]:
+        for queued in same_thread(forward_pass, waiting)[: self.keep_passes]:
             if queued.moved_whole and not queued.brought_back:
                 self.bring_back(queued)
 
@@ -169,6 +187,31 @@ class PassSchedule:
                 stacklevel=6,
             )
         self.bring_back(forward_pass)
+
+
+def counts_from_now(
+    forward_pass: ForwardPass,
+    stats: OffloadStats,
+    lock: AbstractContextManager[Any],
+    schedule: PassSchedule | None,
+    waiting: Callable[[], Sequence[ForwardPass]],
+) -> None:
+    """A layer of ``forward_pass`` starts with grad enabled, its first: the pass counts
+    (``stats.forward_passes``, under ``lock``) and takes its place in its thread's
+    backward queue (``waiting()``, which leaves it out) from now on (NOTE [A pass that
+    saves nothing] in forward_pass.py)."""
+    forward_pass.with_grad = True
+    with lock:
+        stats.forward_passes += 1
+    if schedule is not None:
+        schedule.pass_starts(forward_pass, waiting())
+
+
+def same_thread(forward_pass: ForwardPass, passes: Sequence[ForwardPass]) -> list[ForwardPass]:
+    """Those of ``passes`` whose forward ran in the thread of ``forward_pass``'s, itself
+    left out (NOTE [A backward queue per thread])."""
+    thread = forward_pass.thread
+    return [p for p in passes if p.thread == thread and p is not forward_pass]
 
 
 def held_on_device(

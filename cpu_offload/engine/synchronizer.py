@@ -26,7 +26,7 @@ from ..log import warn
 from .forward_pass import ForwardPass
 from .layer_state import OffloadableLayerState
 from .offload_engine import OffloadEngine
-from .pass_schedule import PassSchedule, check_keep_passes
+from .pass_schedule import PassSchedule, check_keep_passes, counts_from_now
 from .schedule import check_offloaded_layers, max_offloaded, schedule_points
 from .transitions import LayerState
 
@@ -136,17 +136,14 @@ class OffloadSynchronizer(OffloadEngine):
     def _new_pass(self) -> ForwardPass:
         # numbered per synchronizer: a handle's first step is its forward pass 0
         forward_pass = ForwardPass(self.model_layers, self.new_layer_state, next(self._numbers))
-        if self.pass_schedule is not None:
-            self.pass_schedule.pass_starts(forward_pass, self.waiting_passes())
         with self._passes_lock:
             self._passes = [ref for ref in self._passes if ref() is not None]
             self._passes.append(weakref.ref(forward_pass))
-            self.stats.forward_passes += 1
         return forward_pass
 
     def waiting_passes(self) -> list[ForwardPass]:
         """Passes in flight whose backward has not started, oldest first (a stage's queue)."""
-        return [p for p in self.in_flight_passes() if not p.backward_reached]
+        return [p for p in self.in_flight_passes() if p.with_grad and not p.backward_reached]
 
     def in_flight_passes(self) -> list[ForwardPass]:
         """Forward passes whose graphs are alive, oldest first (not a pass left between
@@ -200,6 +197,9 @@ class OffloadSynchronizer(OffloadEngine):
             forward_pass = self._new_pass()
             forward_pass.follows, forwarding.finished = forwarding.finished, None
             forwarding.current = forward_pass
+        if not forward_pass.with_grad and torch.is_grad_enabled():
+            lock, schedule = self._passes_lock, self.pass_schedule
+            counts_from_now(forward_pass, self.stats, lock, schedule, self.waiting_passes)
         layer = forward_pass.layers_forwarded
         forward_pass.layers_forwarded += 1
         self._on_forward(forward_pass, layer)

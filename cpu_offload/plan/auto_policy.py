@@ -25,7 +25,8 @@ NOTE [The automatic policy]
     3. On a device that reports memory, each step's peak (the most allocated during the
        step, less what was allocated when it started, less the parameters' gradients
        the step may have allocated: the planner counts activations only) is compared
-       with the predicted peak (budget_watch.py).  The first time it exceeds it by
+       with the predicted peak (budget_watch.py; the device's peak statistics are never
+       reset: NOTE [A step's peak, the user's statistics]).  The first time it exceeds it by
        more than ``REPLAN_MARGIN`` of the budget, a warning says so and the plan is
        made again with that excess (what the event model does not count) taken off
        the budget.
@@ -68,6 +69,7 @@ from ..policy.memory_budget import (
     said_budget,
     size,
 )
+from ..policy.model_checkpoints import count_model_checkpoint
 from ..policy.planned_synchronizer import PlannedOffloadSynchronizer
 from ..policy.policy import CHECKPOINTED, OFFLOADED, checkpoint_hazards
 from .policy_plan import PolicyPlan
@@ -88,6 +90,9 @@ NO_MODULES = "no module to checkpoint: the layers run in the host library's own 
 NO_PLAN_WARNING_STEPS = 4
 #: what a layer that did not run in the measured step cannot be (until it runs)
 NOT_MEASURED = "not measured yet (it did not run in the measured step)"
+#: why a layer the model checkpoints itself is not checkpointed again (its recompute is
+#: counted: NOTE [A checkpoint the model placed] in policy/model_checkpoints.py)
+BY_THE_MODEL = "checkpointed by the model already (gradient checkpointing)"
 #: the options a planned context takes (those of get_cpu_offload_context that remain)
 OPTIONS: tuple[str, ...] = ("retain_pinned_cpu_buffers", "device", "min_offload_numel")
 OPTIONS += ("min_offload_bytes", "max_host_bytes")
@@ -165,6 +170,7 @@ class AutoPolicy:
         self._planned: set[int] = set()  # the modules the plan checkpoints
         self._warned: set[str] = set()
         self._hooks: list[RemovableHandle] = []
+        self._restores: list[Callable[[], None]] = []  # model_checkpoints.py
         self.in_flight = 1  #: the most forward passes in flight at once (step_starts)
         if self.layers is None:
             self.hazards = [[NO_MODULES]] * num_layers
@@ -213,21 +219,27 @@ class AutoPolicy:
     def _note_inputs(self, module: nn.Module, args: Any) -> None:
         if self.enabled():
             self.synchronizer.note_inputs([a for a in args if isinstance(a, torch.Tensor)])
+            restore = count_model_checkpoint(module, self.synchronizer.checkpointed)
+            if restore is not None:  # NOTE [A checkpoint the model placed]
+                self._restores.append(restore)
 
     def remove(self) -> None:
         """Remove the input hooks, the checkpoint wrappers and the optimizer hook."""
         if self.optimizer is not None:
             self.optimizer.remove()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        for request in self._checkpointing:
-            request.remove()
-        self._checkpointing.clear()
+        for removables in (self._hooks, self._checkpointing):
+            for removable in removables:
+                removable.remove()
+            removables.clear()
+        for restore in self._restores:
+            restore()
+        self._restores.clear()
 
     # ---------------------------------------------------- what the step says
 
     measured_peak = property(lambda self: self.peak.measured_peak)
+
+    sample_memory = lambda self, backward: self.peak.sample(self.synchronizer.backend, backward)
 
     def step_starts(self) -> None:
         backend, plan = self.synchronizer.backend, self.plan
@@ -319,6 +331,9 @@ class AutoPolicy:
         stand_in = max(ran, key=lambda r: r.saved_bytes)
         records = [r if r is not None else stand_in for r in found]
         hazards = [h + [NOT_MEASURED] if r is None else h for h, r in zip(self.hazards, found)]
+        hazards = [
+            h + [BY_THE_MODEL] if r and r.recompute_bytes else h for h, r in zip(hazards, found)
+        ]
         costs = measured_costs(records, BACKWARD_PER_FORWARD)
         if self.link is None:
             largest = max([r.offloaded_bytes for r in records] + [0])

@@ -100,6 +100,10 @@ def simulate_many(
         compute += np.where(checkpointed[:, j], recompute_s[j], 0.0)
         total += np.where(checkpointed[:, j], saved_bytes[0, j] - input_bytes[0, j], 0)
         held = np.full(n, saved_bytes[0, j])
+        if each[j].recompute_bytes:  # the model's own checkpoint recomputes it
+            by_model = np.where(checkpointed[:, j], 0, each[j].recompute_bytes)
+            total += by_model
+            held += by_model
         sizes = slices[j]
         if len(sizes) > 1:  # the rows that offload j: the next slice as each is consumed
             sliced = codes[:, j] == _O

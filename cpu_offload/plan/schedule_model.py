@@ -96,6 +96,10 @@ class LayerCosts:
             seconds before its first unpack and that unpack's rank
             (``LayerProfile.offloaded_unpacks``); empty: a sliced backward's compute
             split by bytes (NOTE [Timing the slices of a reload]).
+        recompute_bytes: what a checkpoint the model placed in the layer holds during
+            the layer's backward, on top of what it saved (its recompute's activations:
+            NOTE [A checkpoint the model placed] in policy/model_checkpoints.py); the
+            policy does not checkpoint such a layer again.
     """
 
     saved_bytes: int
@@ -109,6 +113,12 @@ class LayerCosts:
     recompute_s: float | None = None
     gradient_bytes: int = 0
     unpacks: tuple[tuple[int, float, int], ...] = ()
+    recompute_bytes: int = 0
+
+    def by_model(self, choice: str) -> int:
+        """What the layer's backward holds for a checkpoint the model placed in it, under
+        ``choice`` (nothing where the policy checkpoints it: :attr:`recompute_bytes`)."""
+        return 0 if choice in CHECKPOINTED else self.recompute_bytes
 
     @property
     def recompute(self) -> float:
@@ -244,6 +254,7 @@ def measured_costs(records: Sequence[Any], backward_per_forward: float) -> list[
                 backward_per_forward * forward,
                 record.input_bytes,
                 record.input_offloaded_bytes,
+                recompute_bytes=record.recompute_bytes,
             )
         )
     return costs
@@ -412,7 +423,7 @@ def simulate_policy(
             hold(j, each[j].saved_bytes)
             actions.append(f"recompute {j}")
         prefetch = j not in on_demand  # on demand: the slice in use, not the next too
-        hold(j, resident[j] + sum(slices[j][1:2]) * prefetch)  # and the second slice, if any
+        hold(j, resident[j] + sum(slices[j][1:2]) * prefetch + each[j].by_model(policy[j]))
         whole = [Pop(each[j].backward_s, (), -1)]  # reloaded whole, or not offloaded
         pops = each[j].slices(reload_slice_bytes, prefetch)[1] if len(slices[j]) > 1 else whole
         compute, copies, wait = sliced_backward(compute, copies, slices[j], pops, h2d_bytes_per_s)

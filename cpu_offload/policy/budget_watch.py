@@ -1,6 +1,21 @@
 """What a memory budget's policy watches between steps: the first optimizer step (when
 ``"auto"`` may be read: NOTE [When "auto" is read] in memory_budget.py) and each step's
-peak of activations against the plan's prediction (NOTE [The automatic policy], 3)."""
+peak of activations against the plan's prediction (NOTE [The automatic policy], 3).
+
+NOTE [A step's peak, the user's statistics]
+    The device's peak statistic (``torch.cuda.max_memory_allocated()``) is the user's:
+    it says whether the budget cured an out-of-memory error over the whole run, so the
+    watch never resets it.  A step's peak is read from it when the step raised it (the
+    statistic at the step's end is above what it was at its start: the step's peak is
+    then the statistic itself, exactly).  Otherwise an earlier moment holds the record
+    (the measured step, which keeps everything, or a larger input), and the step's peak
+    is the most allocated at the points the watch samples: each layer's forward end and
+    each layer's backward start (``PlannedOffloadSynchronizer``), less the gradients
+    allocated by then.  That is a lower bound: a temporary that lives only inside a
+    layer's forward or backward (a checkpointed layer's recompute among them) is not
+    seen.  The statistic is read when the next step starts: a reset made before then (a
+    training loop that resets before each step) leaves the sampled bound.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..device.backend import DeviceBackend
 from ..hooks.selection import warn_once_per_call_site
-from .memory_budget import REPLAN_MARGIN, gradients_to_come, size
+from .memory_budget import REPLAN_MARGIN, size
 
 __all__ = ["OptimizerWatch", "PeakWatch"]
 
@@ -63,8 +78,13 @@ class PeakWatch:
     step may have allocated (of the parameters that held none when it started), so that
     it is the quantity the planner predicts (activations only).
 
+    It never resets the device's peak statistics (NOTE [A step's peak, the user's
+    statistics]).
+
     Attributes:
         measured_peak: the last step's peak of activations, as above (None: not known).
+        exact: whether :attr:`measured_peak` is the device's own peak (the step raised
+            it), rather than the most allocated at the layer boundaries sampled.
         excess: what the one step over its prediction exceeded it by (0 until then).
     """
 
@@ -72,9 +92,14 @@ class PeakWatch:
         self.api = api
         self.parameters = parameters
         self.measured_peak: int | None = None
+        self.exact = False
         self.excess = 0
         self._floor: int | None = None
-        self._gradients = 0
+        self._record = 0  # the device's peak statistic when the step started
+        self._sampled = 0  # the most allocated at the sampled points of the step
+        self._gradients = 0  # of the parameters that held none when the step started
+        self._to_come: list[torch.Tensor] = []  # those of them that still hold none
+        self._come = 0  # the bytes of the others (allocated since)
         self._fired = False
 
     def start(self, backend: DeviceBackend, planned: bool) -> None:
@@ -82,8 +107,26 @@ class PeakWatch:
         allocated = backend.memory_allocated() if planned else None
         self._floor = allocated
         if allocated is not None:
-            backend.reset_peak_memory_stats()
-            self._gradients = gradients_to_come(self.parameters)
+            self._record = backend.max_memory_allocated() or 0
+            self._sampled = allocated
+            self._to_come = [p for p in self.parameters if p.requires_grad and p.grad is None]
+            self._gradients = self._come = 0
+            for p in self._to_come:
+                self._gradients += p.numel() * p.element_size()
+
+    def sample(self, backend: DeviceBackend, backward: bool) -> None:
+        """Note what is allocated now (a layer's forward ended, or backward reached a
+        layer), less the gradients allocated since the step started."""
+        if self._floor is None:
+            return
+        if backward and self._to_come:
+            grown = [p for p in self._to_come if p.grad is not None]
+            if grown:
+                self._come += sum(p.numel() * p.element_size() for p in grown)
+                self._to_come = [p for p in self._to_come if p.grad is None]
+        allocated = (backend.memory_allocated() or 0) - self._come
+        if allocated > self._sampled:
+            self._sampled = allocated
 
     def over(self, backend: DeviceBackend, predicted: int, budget: int, watch: bool) -> bool:
         """The last step ended: True (once, when ``watch``) when its peak exceeded
@@ -93,7 +136,9 @@ class PeakWatch:
         peak = backend.max_memory_allocated() if floor is not None else None
         if peak is None or floor is None:
             return False
-        self.measured_peak = measured = max(0, peak - floor - self._gradients)
+        self.exact = peak > self._record
+        top = peak - self._gradients if self.exact else self._sampled
+        self.measured_peak = measured = max(0, top - floor)
         if self._fired or not watch or measured <= predicted + REPLAN_MARGIN * budget:
             return False
         self._fired = True

@@ -38,6 +38,7 @@ __all__ = [
     "ObservedLayerState",
     "census_report",
     "census_rows",
+    "checkpointed_bytes",
     "measure_inputs",
     "measure_pushed",
     "rescaled",
@@ -58,6 +59,9 @@ class MeasuredLayer:
             tensor inputs), and
         input_offloaded_bytes, input_tensors_offloaded: what of it moves.
         forward_s: the layer's forward time (None: not timed in this step).
+        recompute_bytes: what a checkpoint the model placed in the layer saves in
+            forward, which its recompute holds in the layer's backward (NOTE [A
+            checkpoint the model placed] in model_checkpoints.py); 0: none seen.
     """
 
     saved_bytes: int
@@ -69,6 +73,7 @@ class MeasuredLayer:
     input_offloaded_bytes: int = 0
     input_tensors_offloaded: int = 0
     forward_s: float | None = None
+    recompute_bytes: int = 0
 
 
 class ObservedLayerState(OffloadableLayerState):
@@ -79,6 +84,8 @@ class ObservedLayerState(OffloadableLayerState):
         super().__init__(*args, **kwargs)
         #: what was pushed since the layer's forward started, while it is measured
         self.seen: list[torch.Tensor] | None = None
+        #: what a checkpoint the model placed saved meanwhile (model_checkpoints.py)
+        self.checkpointed: list[torch.Tensor] | None = None
 
     @eager
     def push_tensor(self, tensor: Any) -> Any:
@@ -93,6 +100,34 @@ class ObservedLayerState(OffloadableLayerState):
         if seen is not None:
             seen.append(tensor)
         return super().keep_tensor(tensor)
+
+
+def checkpointed_bytes(
+    checkpointed: Sequence[torch.Tensor],
+    seen: Sequence[torch.Tensor],
+    excluded: frozenset[int] = frozenset(),
+) -> int:
+    """The bytes of the storages of ``checkpointed`` (what a checkpoint the model placed
+    saved) that are not among ``seen``'s (what the layer saved) nor ``excluded``
+    (parameters and buffers): what its recompute holds (NOTE [A checkpoint the model
+    placed] in model_checkpoints.py)."""
+    own = set(excluded)
+    for tensor in seen:
+        try:
+            own.add(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+    found: dict[int, int] = {}
+    for tensor in checkpointed:
+        if isinstance(tensor, Parameter):
+            continue
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # a subclass without storage of its own
+        if storage._cdata not in own:
+            found[storage._cdata] = storage.nbytes()
+    return sum(found.values())
 
 
 def measure_pushed(

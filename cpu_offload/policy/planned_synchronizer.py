@@ -41,6 +41,7 @@ from .measured_step import (
     LayerClock,
     MeasuredLayer,
     ObservedLayerState,
+    checkpointed_bytes,
     measure_inputs,
     measure_pushed,
 )
@@ -67,6 +68,11 @@ class StepListener(Protocol):
     def first_layer(self, layer: MeasuredLayer) -> bool:
         """Layer 0 of a planned pass ended; True: measure the rest of the pass again."""
         return False
+
+    def sample_memory(self, backward: bool) -> None:
+        """A layer's forward ended, or backward reached a layer (``backward``): note the
+        device memory allocated now (NOTE [A step's peak, the user's statistics] in
+        budget_watch.py)."""
 
     @property
     def policy(self) -> list[str] | None:
@@ -201,11 +207,12 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
                 self._with_grad.add(layer)
             state = forward_pass.state(layer)
             if isinstance(state, ObservedLayerState):
-                state.seen = []
+                state.seen, state.checkpointed = [], []
             if measuring and self._clock is not None:
                 self._clock.start(layer)
 
     def fwd_end(self) -> None:
+        self.listener.sample_memory(False)
         current = self.current_pass
         if current is not None and current.layers_forwarded:
             layer = current.layers_forwarded - 1
@@ -227,13 +234,27 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
             for layer in range(current.layers_forwarded):
                 state = current.made_state(layer)
                 if isinstance(state, ObservedLayerState):
-                    state.seen = None
+                    state.seen = state.checkpointed = None
         self._inputs = {}
         self._with_grad.clear()
         if self.measuring(current):
             self.why_unmeasured = "the measured forward raised an exception, or was left"
             self._stop_measuring(again=True)  # an exception: measure the next pass
         super().abort_forward(failed)
+
+    def checkpointed(self) -> list[torch.Tensor] | None:
+        """Where a checkpoint the model placed in the layer whose forward runs notes what
+        it saves, while that layer is measured (NOTE [A checkpoint the model placed] in
+        model_checkpoints.py); None otherwise."""
+        current = self.current_pass
+        if current is None or not current.layers_forwarded:
+            return None
+        state = current.made_state(current.layers_forwarded - 1)
+        return state.checkpointed if isinstance(state, ObservedLayerState) else None
+
+    def _on_backward(self, forward_pass: ForwardPass, layer: int) -> None:
+        self.listener.sample_memory(True)
+        super()._on_backward(forward_pass, layer)
 
     def _layer_ended(
         self, forward_pass: ForwardPass, layer: int, state: ObservedLayerState
@@ -243,7 +264,10 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
             self._clock.stop(layer)
         seen, state.seen = state.seen or [], None
         record = self._measure(seen, state.pending_copies())
-        del seen
+        checkpointed, state.checkpointed = state.checkpointed, None
+        if checkpointed:  # NOTE [A checkpoint the model placed] in model_checkpoints.py
+            record.recompute_bytes = checkpointed_bytes(checkpointed, seen, self.excluded)
+        del seen, checkpointed
         inputs = self._inputs.pop(layer, None)
         if inputs:
             measure_inputs(

@@ -20,7 +20,8 @@ class OffloadStats:
         on_demand_reloads: layers reloaded by a pop because no reload was scheduled.
         slices_on_demand: slices of a layer reloaded in slices that a pop issued itself
             (a tensor unpacked before its slice's turn; reload_slices.py).
-        forward_passes: forward passes started.
+        forward_passes: forward passes that ran a layer with grad enabled (a no_grad
+            forward, which saves nothing, is not counted).
         passes_moved_whole: forward passes moved whole to the host (``keep_passes``).
         tensors_kept_by_host_cap: tensors left on the device because the host buffer
             pool was at ``max_host_bytes`` or the host refused to give it more, and

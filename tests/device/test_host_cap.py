@@ -68,9 +68,26 @@ def test_auto_takes_the_cgroup_v1_limit_and_ignores_no_limit(tmp_path):
     assert cgroup_memory_available(root) is None
 
 
-@pytest.mark.parametrize("text, ranks", [("", 1), ("4", 4), ("x", 1), ("0", 1)])
+@pytest.mark.parametrize("text, ranks", [(None, 1), ("", 1), ("4", 4), (" 8 ", 8)])
 def test_local_world_size_is_torchruns_or_one(text, ranks):
-    assert local_world_size({"LOCAL_WORLD_SIZE": text} if text else {}) == ranks
+    assert local_world_size({"LOCAL_WORLD_SIZE": text} if text is not None else {}) == ranks
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "abc", "2.5"])
+def test_a_local_world_size_that_is_no_rank_count_is_refused_naming_it(text, tmp_path):
+    meminfo, root = _files(tmp_path, 16 * 2**20)
+    with pytest.raises(ValueError) as raised:
+        auto_host_cap(meminfo, root, {"LOCAL_WORLD_SIZE": text})
+    message = str(raised.value)
+    assert f"found LOCAL_WORLD_SIZE={text!r}" in message
+    assert "expected a whole number >= 1" in message and "max_host_bytes='auto'" in message
+
+
+def test_a_bad_local_world_size_is_refused_where_the_offloader_is_made(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match=r"found LOCAL_WORLD_SIZE='0'\. Set it to the ranks"):
+        get_cpu_offload_context(True, 1, 2, max_host_bytes="auto")
+    get_cpu_offload_context(True, 1, 2, max_host_bytes="1GiB")  # a given cap reads no ranks
 
 
 @pytest.mark.parametrize(

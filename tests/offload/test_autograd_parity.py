@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -428,6 +429,65 @@ def sliced_passes_moved_whole(order: str) -> Callable[[Offload], list]:
         return [inputs[micro].grad for micro in sorted(inputs)]
 
     return program
+
+
+def evaluation_between_passes_kept_one(off: Offload) -> list[torch.Tensor]:
+    """``keep_passes=1``: a training pass waits for its backward while a forward runs
+    under ``torch.no_grad()`` (its output held), then a second training pass (moved whole),
+    then both backwards (NOTE [A pass that saves nothing] in forward_pass.py)."""
+    ctx = sync_fn = None
+    if off.k is not None:
+        ctx, sync_fn = get_cpu_offload_context(True, off.k, L, min_offload_numel=0, keep_passes=1)
+        off.handles.append(ctx)
+    fns = [torch.sin, torch.cos, torch.exp]
+    first, second = leaf(8, 4), leaf(8, 4)
+    out = chain(fns, first, ctx, sync_fn)
+    with torch.no_grad():
+        evaluated = chain(fns, leaf(8, 4), ctx, sync_fn)
+    later = chain(fns, second, ctx, sync_fn)
+    out.sum().backward()
+    later.sum().backward()
+    return [first.grad, second.grad, evaluated]
+
+
+def two_threads_kept_one(off: Offload) -> list[torch.Tensor]:
+    """``keep_passes=1``, one context in two threads, each F F B B, their steps
+    alternating (A F0, B F0, A F1, B F1, A B0, B B0, A B1, B B1) by events (NOTE [A
+    backward queue per thread] in pass_schedule.py)."""
+    ctx = sync_fn = None
+    if off.k is not None:
+        ctx, sync_fn = get_cpu_offload_context(True, off.k, L, min_offload_numel=0, keep_passes=1)
+        off.handles.append(ctx)
+    fns = [torch.sin, torch.cos, torch.exp]
+    done = [threading.Event() for _ in range(8)]
+    inputs = [leaf(8, 4) for _ in range(4)]  # A's two, then B's two
+    raised: list[BaseException] = []
+
+    def thread(first: int) -> None:
+        outputs = []
+        try:
+            for step in range(4):
+                turn = first + 2 * step
+                if turn and not done[turn - 1].wait(60):
+                    raise TimeoutError("the other thread did not take its turn")
+                if step < 2:
+                    outputs.append(chain(fns, inputs[2 * first + step], ctx, sync_fn))
+                else:
+                    outputs[step - 2].sum().backward()
+                done[turn].set()
+        except BaseException as error:  # noqa: BLE001 - raised below, in the test's thread
+            raised.append(error)
+            for event in done:
+                event.set()
+
+    threads = [threading.Thread(target=thread, args=(first,)) for first in (0, 1)]
+    for running in threads:
+        running.start()
+    for running in threads:
+        running.join(60)
+    if raised:
+        raise raised[0]
+    return [x.grad for x in inputs]
 
 
 def partial_grad_then_backward(off: Offload) -> list[torch.Tensor]:
@@ -1025,6 +1085,27 @@ def automatic_policy(
     return program
 
 
+def budget_with_the_models_checkpointing(off: Offload) -> list[torch.Tensor]:
+    """``memory_budget=`` on a tiny Llama with transformers' gradient checkpointing
+    (attention dropout: RNG in every recompute): a measured step, whose checkpoints'
+    recomputes are measured, then two planned steps (NOTE [A checkpoint the model placed]
+    in policy/model_checkpoints.py)."""
+    model = tiny_hf_model("Llama", L, attention_dropout=0.25)
+    model.gradient_checkpointing_enable()
+    model.train()
+    off.budget(list(model.model.layers))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    found = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # use_cache, and budgets nothing fits
+        for step in range(3):
+            torch.manual_seed(step)
+            model(input_ids=ids, labels=ids).loss.backward()
+            found += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            model.zero_grad(set_to_none=True)
+    return found
+
+
 def budget_under_a_host_cap(off: Offload) -> list[torch.Tensor]:
     """offload_layers(memory_budget=..., max_host_bytes=...): the plan checkpoints where
     the host is short, and the steps move what it predicts, nothing refused by the cap."""
@@ -1541,6 +1622,11 @@ PROGRAMS = {
     "reloaded in slices, passes moved whole, reverse": Row(
         sliced_passes_moved_whole("F0 F1 F2 F3 B3 B2 B1 B0")
     ),
+    "memory_budget with the model's gradient checkpointing": Row(
+        budget_with_the_models_checkpointing
+    ),
+    "keep_passes=1, a no_grad forward between two passes": Row(evaluation_between_passes_kept_one),
+    "keep_passes=1, two threads share the context, steps alternating": Row(two_threads_kept_one),
     "tensors saved twice (a leaf, an activation)": Row(tensors_saved_twice(False)),
     "a tensor saved twice, modified in place": Row(tensors_saved_twice(True), match=MODIFIED),
     "exception inside a layer, then a step": Row(exception_inside_a_layer_then_a_step),

@@ -3,6 +3,7 @@ whole, and come back before their backward (NOTE [Moving a pass whole] in pass_s
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -228,3 +229,52 @@ def test_offload_activations_refuses_keep_passes():
 
     with pytest.raises(TypeError, match="OffloadActivations: keep_passes=2 is for the per-layer"):
         OffloadActivations(keep_passes=2)
+
+
+@pytest.mark.usefixtures("streams")
+def test_a_forward_without_grad_is_no_pass_moved_whole_nor_counted():
+    """NOTE [A pass that saves nothing] in forward_pass.py: with a training pass waiting
+    and ``keep_passes=1``, a ``torch.no_grad()`` forward moves nothing and counts nowhere;
+    its output held, the next training pass is second in the queue, not third."""
+    layers = make_layers("mlp", 3, 16, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 1, 3, min_offload_numel=0, keep_passes=1)
+    synchronizer = ctx.offload_synchronizer
+    stats = synchronizer.stats
+    first = forward(layers, make_input("mlp", 16, torch.float32, 0), ctx, sync_fn)
+    copied = stats.tensors_offloaded
+    with torch.no_grad():
+        evaluated = forward(layers, make_input("mlp", 16, torch.float32, 1), ctx, sync_fn)
+    assert (stats.forward_passes, stats.passes_moved_whole) == (1, 0)
+    assert stats.tensors_offloaded == copied
+    assert len(synchronizer.waiting_passes()) == 1
+    second = forward(layers, make_input("mlp", 16, torch.float32, 0), ctx, sync_fn)
+    assert (stats.forward_passes, stats.passes_moved_whole) == (2, 1)
+    assert [p.moved_whole for p in synchronizer.waiting_passes()] == [False, True]
+    first.sum().backward()
+    second.sum().backward()
+    assert stats.on_demand_reloads == 0 and stats.tensors_offloaded == stats.tensors_reloaded
+    assert "in 2 forward passes (1 moved whole)" in str(stats)
+    del evaluated
+
+
+@pytest.mark.usefixtures("streams")
+def test_a_pass_counts_from_its_first_layer_run_with_grad():
+    """A frozen first layer under ``torch.no_grad()``: the pass counts, and moves whole,
+    from the layer that runs with grad."""
+    layers = make_layers("mlp", 3, 16, torch.float32)
+    ctx, sync_fn = get_cpu_offload_context(True, 1, 3, min_offload_numel=0, keep_passes=1)
+    stats = ctx.offload_synchronizer.stats
+
+    def frozen_first() -> torch.Tensor:
+        h = make_input("mlp", 16, torch.float32, 0)
+        for index, layer in enumerate(layers):
+            with torch.no_grad() if index == 0 else contextlib.nullcontext(), ctx:
+                h = layer(h)
+            h = sync_fn(h)
+        return h
+
+    outs = [frozen_first(), frozen_first()]
+    assert (stats.forward_passes, stats.passes_moved_whole) == (2, 1)
+    for out in outs:
+        out.sum().backward()
+    assert stats.tensors_offloaded == stats.tensors_reloaded > 0

@@ -466,6 +466,32 @@ def test_the_vectorized_model_is_the_reference_model_layer_by_layer(L):
             assert row.step_s == pytest.approx(many.step_s[index], abs=1e-9)
 
 
+@pytest.mark.parametrize("L", [2, 3, 6])
+def test_the_vectorized_model_counts_the_models_own_recompute_as_the_reference(L):
+    """Layers the model checkpoints itself (``recompute_bytes``: NOTE [A checkpoint the
+    model placed] in policy/model_checkpoints.py): the two event models agree, and the
+    recompute is held at the layer's backward unless the policy checkpoints the layer."""
+    rng = random.Random(10 + L)
+    codes = policy_family(L)
+    for _ in range(4):
+        stack = [
+            dataclasses.replace(c, recompute_bytes=rng.choice([0, 150, 500]))
+            for c in random_stack(rng, L)
+        ]
+        d2h, h2d = rng.choice([10, 1000]), rng.choice([10, 1000])
+        many = simulate_many(codes, stack, d2h, h2d)
+        for index, row_codes in enumerate(codes):
+            policy = [POLICY_CHOICES[i] for i in row_codes]
+            row = simulate_policy(policy, stack, d2h, h2d)
+            assert row.peak_bytes == many.peak_bytes[index]
+            assert row.end_of_forward_bytes == many.end_of_forward_bytes[index]
+            plain = simulate_policy(
+                policy, [dataclasses.replace(c, recompute_bytes=0) for c in stack], d2h, h2d
+            )
+            extra = max(c.by_model(choice) for c, choice in zip(stack, policy))
+            assert plain.peak_bytes <= row.peak_bytes <= plain.peak_bytes + extra
+
+
 def test_a_stack_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match="3 layer costs for a policy of 2 layers"):
         simulate_policy(["keep", "keep"], [costs()] * 3, 1.0, 1.0)
