@@ -179,18 +179,31 @@ def _time_candidates(
     fits = peaks <= memory_budget
     if host_ok is not None:
         fits &= host_ok
+    # rows not timed keep their place in this ranking: the best now is among the timed,
+    # the best with every pass kept and the first keep_passes row not timed yet
     ranked = order(peaks, steps, hosts, checkpoints, memory_budget, host_ok)
+    kept_all = ranked[keeps[ranked] == 0][:1]
+    moved = iter(ranked[keeps[ranked] > 0])
     for keep in range(1, in_flight):
         for index in ranked[(keeps[ranked] == keep) & fits[ranked]][:TIMED_FIRST]:
             time(int(index))
+    following = next(moved, None)
+
+    def best_now() -> int:
+        nonlocal following
+        while following is not None and int(following) in timed:
+            following = next(moved, None)
+        rows_now = [*timed, *kept_all]
+        if following is not None and (len(timed) < MOST_TIMED or not fits[rows_now].any()):
+            rows_now.append(int(following))  # beyond MOST_TIMED, only where none fits
+        subset = np.unique(rows_now)
+        ok = None if host_ok is None else host_ok[subset]
+        return int(subset[order(peaks[subset], steps[subset], hosts[subset],
+                                checkpoints[subset], memory_budget, ok)[0]])  # fmt: skip
+
     while True:
-        best = int(order(peaks, steps, hosts, checkpoints, memory_budget, host_ok)[0])
+        best = best_now()
         if keeps[best] > 0 and best not in timed:
-            if len(timed) >= MOST_TIMED and np.isfinite(steps[best]):
-                untimed = keeps > 0  # the others not timed come last
-                untimed[list(timed)] = False
-                steps[untimed] = np.inf
-                continue
             time(best)
             continue
         # a fitting candidate whose closed form is close may be faster by the stage model
