@@ -12,16 +12,38 @@ NOTE [A budget inside a stage]
     ``fifo_order``), with a per-layer policy's single-pass peak for both its forward and
     its backward.
 
-    A moved pass's copies run behind its own forward and the backward before it; inside a
-    stage, the step of a moved pass is the per-layer policy's plus what of each layer's
-    copy its forward (device to host) does not cover, and of each layer's reload the
-    backward it runs behind (the last layer's: the older pass's backward; layer
-    ``j - 1``'s: layer ``j``'s) does not, and ``(n - N) / n`` of the passes are moved.
-    The host holds what every pass moves: ``n`` times the policy's per-pass bytes, or
-    ``N`` times them plus ``(n - N) * (whole - stays)``.  Of every candidate the search
-    knows and every ``N``, the fastest that fits the budget (and the host cap) is
-    chosen, with the search's own order (``many_policies.order``); with one pass in flight
-    the search's own answer is the plan.
+    Its step per pass is the stage model's (:func:`simulate_stage` on ``fifo_order(n)``,
+    the candidate's per-layer policy in every kept pass, checkpointed layers
+    checkpointed in every pass: :func:`stage_step`).  The search has thousands of
+    per-layer candidates times each ``N``, too many to run each through the stage model,
+    so a closed form ranks them (:func:`stage_rows`) and the stage model times those
+    that can win:
+
+    - Every pass kept: the per-layer policy's step (the event model of one pass).  In
+      GPipe's order a pass's copies end with its forward and its reloads run in its own
+      backward, so the passes do not share the link: this is the stage model's step.
+    - ``keep_passes=N``: ``N / n`` of the passes run the per-layer policy's step; the
+      others, moved whole, run without the per-layer offloads: the step without offload,
+      a checkpointed layer's recompute, and what of each layer's copy its forward (device
+      to host) does not cover and of each layer's reload the backward it runs behind
+      (the last layer's: the older pass's backward; layer ``j - 1``'s: layer ``j``'s)
+      does not.  This leaves out the link the passes share (their reloads queue on it)
+      and that a moved pass's copies also hide behind its neighbours' compute: on the
+      stacks of tests/plan/ and four Llama-3-8B layers, from 16% below the stage model
+      (5 GB/s, one pass kept) to 7% above it (5 GB/s, every pass but one kept).
+
+    Of the candidates that fit the budget (and the host cap), the best few of each ``N``
+    by the closed form are timed by the stage model; then, while the fastest (by the
+    stage model where timed, the closed form where not) is not timed, it is timed, and
+    so is any that fits whose closed form is within :data:`MARGIN` of the fastest's
+    step; at most :data:`MOST_TIMED` in all, after which a candidate not timed is not
+    chosen over one that is.  The plan's step is the stage model's.  The stage model
+    reloads an offloaded layer whole: with ``reload_slice_bytes`` a kept pass's step is
+    the event model's where every pass is kept, the stage model's (whole reloads)
+    otherwise.  The host holds what every pass moves: ``n`` times the policy's per-pass
+    bytes, or ``N`` times them plus ``(n - N) * (whole - stays)``.  Ties go as the
+    search's own order (``many_policies.order``); with one pass in flight the search's
+    own answer is the plan.
 """
 
 from __future__ import annotations
@@ -31,10 +53,18 @@ import dataclasses
 import numpy as np
 
 from ..engine.host_buffers import pool_reserve
-from ..policy.policy import POLICY_CHOICES
+from ..policy.policy import OFFLOADED, POLICY_CHOICES
 from .many_policies import order
 from .pipeline.orders import BACKWARD, FORWARD, INPUT, WEIGHT, Action, fifo_order
-from .pipeline.stage_model import PassBytes, kept_pass, moved_pass, stage_peak
+from .pipeline.stage_model import (
+    PassBytes,
+    StagePolicy,
+    StageRow,
+    kept_pass,
+    moved_pass,
+    simulate_stage,
+    stage_peak,
+)
 from .policy_plan import PolicyPlan
 from .policy_search import PolicySearch, host_fits
 from .schedule_model import simulate_policy
@@ -52,7 +82,15 @@ __all__ = [
     "moved_pass",
     "stage_peak",
     "stage_rows",
+    "stage_step",
 ]
+
+#: the most candidates the stage model times for one plan (NOTE [A budget inside a stage])
+MOST_TIMED = 48
+#: of each ``keep_passes``, the candidates that fit timed first, best by the closed form
+TIMED_FIRST = 3
+#: a candidate whose closed form is within this of the best one's stage model is timed
+MARGIN = 0.1
 
 
 def stage_rows(
@@ -60,7 +98,7 @@ def stage_rows(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per candidate and ``keep_passes`` (None, then 1..n-1): the candidate's row in
     ``search.codes``, ``keep_passes`` (0 for None), the stage's peak, step time per pass
-    and host bytes (NOTE [A budget inside a stage])."""
+    (the closed form, to rank them) and host bytes (NOTE [A budget inside a stage])."""
     codes, results, costs = search.codes, search.results, search.costs
     n = max(1, in_flight)
     checkpointed = search.checkpointed(codes)
@@ -71,14 +109,17 @@ def stage_rows(
     whole = np.where(checkpointed, inputs, saved)
     stays = np.where(checkpointed, inputs_kept, kept)
     forward_s = sum(c.forward_s for c in costs)
-    backward_s = np.maximum(results.step_s - forward_s, 0.0)
+    # a pass moved whole: no per-layer offloads, its checkpointed layers recomputed
+    layer_back = np.array([c.backward_s for c in costs])[None, :]
+    layer_back = layer_back + checkpointed * np.array([c.recompute for c in costs])[None, :]
+    backward_s = layer_back.sum(axis=1)
+    whole_step = forward_s + backward_s
     moved = (whole - stays).sum(axis=1)
-    layer_back = np.array([c.backward_s for c in costs])
-    behind = np.concatenate([layer_back[1:], [0.0]])[None, :]  # layer j - 1 behind j
+    behind = layer_back[:, 1:]  # layer j - 1's reload behind layer j's backward
     reloads = (whole - stays) / search.h2d
     exposed = np.maximum(moved / search.d2h - forward_s, 0.0)
     exposed += np.maximum(reloads[:, -1] - backward_s, 0.0)  # behind the older backward
-    exposed += np.maximum(reloads[:, :-1] - behind[:, :-1], 0.0).sum(axis=1)
+    exposed += np.maximum(reloads[:, :-1] - behind, 0.0).sum(axis=1)
     peak = results.peak_bytes
     per_layer = PassBytes(
         peak, results.end_of_forward_bytes, results.end_of_forward_bytes, peak, None
@@ -97,9 +138,80 @@ def stage_rows(
             steps.append(results.step_s)
             hosts.append(n * results.offloaded_bytes)
         else:
-            steps.append(results.step_s + (n - keep) / n * exposed)
+            steps.append((keep * results.step_s + (n - keep) * (whole_step + exposed)) / n)
             hosts.append(keep * results.offloaded_bytes + (n - keep) * moved)
     return tuple(np.concatenate(x) for x in (rows, keeps, peaks, steps, hosts))  # type: ignore[return-value]
+
+
+def stage_step(search: PolicySearch, codes: np.ndarray, keep: int, in_flight: int) -> StageRow:
+    """The stage model's run of ``in_flight`` passes in GPipe's order (``fifo_order``),
+    each kept pass under the candidate ``codes`` (a row of ``search.codes``) and, with
+    ``keep`` above 0, every pass but ``keep`` moved whole (NOTE [A budget inside a
+    stage]); its ``step_s`` is the whole order's."""
+    layers = tuple(POLICY_CHOICES[code] for code in codes)
+    policy = StagePolicy(sum(c in OFFLOADED for c in layers), keep or None, layers)
+    order = fifo_order(max(1, in_flight))
+    return simulate_stage(
+        order, [0.0] * len(order), search.costs, len(layers), policy, search.d2h, search.h2d
+    )
+
+
+def _time_candidates(
+    search: PolicySearch,
+    in_flight: int,
+    table: tuple[np.ndarray, ...],
+    memory_budget: int,
+    host_ok: np.ndarray | None,
+) -> tuple[int, np.ndarray, StageRow | None]:
+    """The best row of ``table`` (``stage_rows``'s) by the stage model's step, where
+    timed (NOTE [A budget inside a stage]); returns it, the steps (the stage model's where
+    timed) and the stage model's run of it (None for a row with every pass kept)."""
+    rows, keeps, peaks, estimate, hosts = table
+    steps = estimate.copy()
+    checkpoints = search.checkpoints[rows]
+    timed: dict[int, StageRow] = {}
+
+    def time(index: int) -> None:
+        run = stage_step(search, search.codes[rows[index]], int(keeps[index]), in_flight)
+        timed[index] = run
+        steps[index] = run.step_s / in_flight
+
+    fits = peaks <= memory_budget
+    if host_ok is not None:
+        fits &= host_ok
+    # rows not timed keep their place in this ranking: the best now is among the timed,
+    # the best with every pass kept and the first keep_passes row not timed yet
+    ranked = order(peaks, steps, hosts, checkpoints, memory_budget, host_ok)
+    kept_all = ranked[keeps[ranked] == 0][:1]
+    moved = iter(ranked[keeps[ranked] > 0])
+    for keep in range(1, in_flight):
+        for index in ranked[(keeps[ranked] == keep) & fits[ranked]][:TIMED_FIRST]:
+            time(int(index))
+    following = next(moved, None)
+
+    def best_now() -> int:
+        nonlocal following
+        while following is not None and int(following) in timed:
+            following = next(moved, None)
+        rows_now = [*timed, *kept_all]
+        if following is not None and (len(timed) < MOST_TIMED or not fits[rows_now].any()):
+            rows_now.append(int(following))  # beyond MOST_TIMED, only where none fits
+        subset = np.unique(rows_now)
+        ok = None if host_ok is None else host_ok[subset]
+        return int(subset[order(peaks[subset], steps[subset], hosts[subset],
+                                checkpoints[subset], memory_budget, ok)[0]])  # fmt: skip
+
+    while True:
+        best = best_now()
+        if keeps[best] > 0 and best not in timed:
+            time(best)
+            continue
+        # a fitting candidate whose closed form is close may be faster by the stage model
+        close = fits & (keeps > 0) & (steps < steps[best] * (1 + MARGIN))
+        close[list(timed)] = False
+        if not fits[best] or not close.any() or len(timed) >= MOST_TIMED:
+            return best, steps, timed.get(best)
+        time(int(np.flatnonzero(close)[np.argmin(steps[close])]))
 
 
 def choose_for_stage(
@@ -107,15 +219,17 @@ def choose_for_stage(
 ) -> PolicyPlan:
     """The plan of a stage with ``in_flight`` passes in flight: the fastest per-layer
     policy and ``keep_passes`` whose peak fits ``memory_budget`` (NOTE [A budget
-    inside a stage]); its ``predicted`` row is the stage's (peak, step per pass)."""
+    inside a stage]); its ``predicted`` row is the stage's (peak, step per pass: the
+    stage model's)."""
     if in_flight <= 1:
         plan = search.choose(memory_budget, host_cap)
         plan.in_flight = 1
         return plan
-    rows, keeps, peaks, steps, hosts = stage_rows(search, in_flight)
-    checkpoints = search.checkpoints[rows]
-    ranked = order(peaks, steps, hosts, checkpoints, memory_budget, host_fits(hosts, host_cap))
-    best = int(ranked[0])
+    table = stage_rows(search, in_flight)
+    rows, keeps, peaks, _, hosts = table
+    best, steps, run = _time_candidates(
+        search, in_flight, table, memory_budget, host_fits(hosts, host_cap)
+    )
     policy = [POLICY_CHOICES[code] for code in search.codes[rows[best]]]
     row = simulate_policy(policy, search.costs, search.d2h, search.h2d)
     base = row.step_s / (1 + row.overhead) if row.overhead > -1 else row.step_s
@@ -126,6 +240,7 @@ def choose_for_stage(
         step_s=step,
         overhead=step / base - 1 if base > 0 else 0.0,
         offloaded_bytes=int(hosts[best]) // in_flight,
+        exposed_copy_s=row.exposed_copy_s if run is None else run.exposed_copy_s / in_flight,
     )
     fits = bool(peaks[best] <= memory_budget) and (
         host_cap is None or bool(pool_reserve(int(hosts[best])) <= host_cap)

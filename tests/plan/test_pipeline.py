@@ -271,12 +271,15 @@ def test_the_stage_model_gives_the_stage_memory_over_time():
 @pytest.mark.parametrize("link", [1e12, 50e9, 5e9])
 def test_a_budget_inside_a_stage_and_the_stage_model_agree(link):
     """Four passes in flight of 4 layers (64 MiB saved, 60 offloadable, 4/8 ms), every
-    first-k policy: a budget inside a stage (``stage_rows``, GPipe's order) and the stage
-    model (``simulate_stage`` on that order) give the same peak for every
-    ``keep_passes``, and, every pass keeping the policy, the same step per pass."""
+    first-k policy and ``keep_passes``: a budget inside a stage times a candidate by the
+    stage model (``stage_step``: ``simulate_stage`` on GPipe's order), so both give the
+    same peak and step.  The closed form that ranks the candidates (``stage_rows``) is
+    the stage model's step where every pass is kept; with passes moved whole it leaves
+    out the link they share, so it is below it, by at most 11% on these links (10.3% at
+    5 GB/s with one pass kept: three passes' reloads queue on the link)."""
     from cpu_offload.plan.policy_search import PolicySearch
     from cpu_offload.plan.schedule_model import first_k
-    from cpu_offload.plan.stage_plan import fifo_order, stage_rows
+    from cpu_offload.plan.stage_plan import fifo_order, stage_rows, stage_step
     from cpu_offload.policy.policy import POLICY_CHOICES
 
     mib, layers, n = 2**20, 4, 4
@@ -295,5 +298,10 @@ def test_a_budget_inside_a_stage_and_the_stage_model_agree(link):
             policy = StagePolicy(k, keep or None)
             model = simulate_stage(order, [0.0] * len(order), layer, layers, policy, link, link)
             assert int(peaks[i]) == model.peak_bytes, (k, keep)
+            inside = stage_step(search, search.codes[rows[i]], keep, n)
+            assert (inside.step_s, inside.peak_bytes) == (model.step_s, model.peak_bytes)
+            per_pass = model.step_s / n
             if keep == 0:
-                assert steps[i] == pytest.approx(model.step_s / n, rel=1e-9), k
+                assert steps[i] == pytest.approx(per_pass, rel=1e-9), k
+            else:
+                assert 0.89 * per_pass <= steps[i] <= per_pass * (1 + 1e-9), (k, keep)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...engine.schedule import schedule_points
+from ...policy.policy import OFFLOADED
 from ..schedule_model import LayerCosts
 from .orders import BACKWARD, FORWARD, WEIGHT, Action
 
@@ -20,7 +21,7 @@ class PassClock:
         self.whole = whole
         self.copy_done: dict[int, float] = {}
         self.reload_done: dict[int, float] = {}
-        offloaded = [j for j, c in enumerate(policy) if c != "keep"]
+        offloaded = [j for j, c in enumerate(policy) if c in OFFLOADED]
         self.points = {} if whole else schedule_points(len(costs), offloaded)
         #: the layers ZB-V's W reloads, in its order (NOTE [A backward in two phases])
         self.chain = weight_chain(costs, whole, offloaded)

@@ -84,6 +84,7 @@ from typing import Any
 
 import numpy as np
 
+from ...policy.policy import CHECKPOINTED, OFFLOADED
 from ...report.policy_words import describe_policy, pass_policy_words
 from ..schedule_model import LayerCosts, PlanRow, first_k, simulate_policy
 from .orders import FORWARD, INPUT, WEIGHT, Action
@@ -95,6 +96,7 @@ __all__ = [
     "StageRow",
     "kept_pass",
     "moved_pass",
+    "pass_costs",
     "simulate_stage",
     "split_bytes",
     "stage_memory",
@@ -224,19 +226,52 @@ def stage_peak(
 @dataclass(frozen=True)
 class StagePolicy:
     """What a stage does: ``k`` layers of each kept pass offloaded per layer (the
-    default schedule's first ``k``), and with ``keep_passes`` set, every pass but the
-    ``keep_passes`` oldest in flight moved whole."""
+    default schedule's first ``k``, or ``layers``' choices where given), and with
+    ``keep_passes`` set, every pass but the ``keep_passes`` oldest in flight moved whole.
+
+    Attributes:
+        layers: the per-layer policy of a kept pass (``keep``, ``offload``,
+            ``checkpoint``, ``checkpoint+offload`` per layer), as a memory budget inside
+            a stage chooses it; None: the first ``k`` offloaded.  A checkpointed layer is
+            checkpointed in every pass, moved whole or not (:func:`pass_costs`).
+    """
 
     k: int
     keep_passes: int | None = None
+    layers: tuple[str, ...] | None = None
+
+    def per_layer(self, layers: int) -> list[str]:
+        """A kept pass's policy, one choice per layer."""
+        return list(self.layers) if self.layers is not None else first_k(layers, self.k)
 
     def words(self, layers: int, in_flight: int | None = None) -> str:
         """The policy in words, as the step report and the handle say it: ``"layers 0-1
         offload, 2-3 keep; keep 1 pass, 3 of 4 moved whole"``."""
-        text = f"layers {describe_policy(first_k(layers, self.k))}"
+        text = f"layers {describe_policy(self.per_layer(layers))}"
         if self.keep_passes is not None:
             text += f"; {pass_policy_words(self.keep_passes, in_flight)}"
         return text
+
+
+def pass_costs(costs: Sequence[LayerCosts], layer_policy: Sequence[str]) -> list[LayerCosts]:
+    """Each layer's costs as a pass of ``layer_policy`` runs it, for the stage's clocks and
+    its passes moved whole: a checkpointed layer saves its inputs (and can move what of
+    them ``input_offloaded_bytes`` says) and its backward runs its forward again first
+    (``recompute``); the other layers as they are."""
+    return [
+        dataclasses.replace(
+            c,
+            saved_bytes=c.input_bytes,
+            offloaded_bytes=c.input_offloaded_bytes,
+            kept_bytes=c.input_bytes - c.input_offloaded_bytes,
+            backward_s=c.backward_s + c.recompute,
+            following=None,
+            unpacks=(),
+        )
+        if choice in CHECKPOINTED
+        else c
+        for c, choice in zip(costs, layer_policy, strict=True)
+    ]
 
 
 @dataclass
@@ -283,13 +318,13 @@ def stage_passes(
 ) -> tuple[Any, Any]:
     """What a pass of ``policy``'s kept passes and of its passes moved whole holds in each
     phase (:class:`PassBytes`), for :func:`stage_peak`."""
-    each = list(costs)
-    layer_policy = first_k(len(each), policy.k)
-    row = simulate_policy(layer_policy, each, d2h, h2d)
+    layer_policy = policy.per_layer(len(costs))
+    row = simulate_policy(layer_policy, list(costs), d2h, h2d)
+    each = pass_costs(costs, layer_policy)
     whole = [c.saved_bytes for c in each]
     moved = [c.offloaded_bytes for c in each]
     stays = [c.saved_bytes - c.offloaded_bytes for c in each]
-    offloaded = [j for j, c in enumerate(layer_policy) if c != "keep"]
+    offloaded = [j for j, c in enumerate(layer_policy) if c in OFFLOADED]
     retained = [stays[j] if j in offloaded else whole[j] for j in range(len(each))]
     during = [held for step, _, held in row.log if step.startswith("bwd")][::-1]
     chain = weight_chain(each, False, offloaded)
@@ -319,11 +354,12 @@ def simulate_stage(
     ``weight_share``: the part of a backward ZB-V's ``W`` runs.  Its peak is
     :func:`stage_peak`'s."""
     each = costs.per_layer(layers) if isinstance(costs, LayerCosts) else list(costs)
+    layer_policy = policy.per_layer(layers)
     run, whole_count = run_order(
         order,
         ready,
-        each,
-        first_k(layers, policy.k),
+        pass_costs(each, layer_policy),
+        layer_policy,
         policy.keep_passes,
         d2h_bytes_per_s,
         h2d_bytes_per_s,
