@@ -141,7 +141,7 @@ def test_a_wait_in_another_thread_returns_only_when_the_copy_has_run():
     that one thread was running counted as run, and another thread's wait for it
     returned at once, to read its still poisoned destination."""
     from cpu_offload.testing import SimulatedBackend
-    from cpu_offload.testing.simulator import _Copy  # noqa: PLC2701 - the simulator's own
+    from cpu_offload.testing.sim_streams import QueuedCopy as _Copy
 
     sim = SimulatedBackend()
     stream = sim.new_stream()
