@@ -226,12 +226,13 @@ def test_full_recompute_moves_the_checkpoints_inputs(megatron, monkeypatch, laye
     assert stats.bytes_reloaded == stats.bytes_offloaded and stats.on_demand_reloads == 0
 
 
-def test_patch_does_nothing_on_a_hybrid_model(megatron, monkeypatch):
+def test_patch_does_nothing_on_a_hybrid_model_and_says_so(megatron, monkeypatch):
     """HybridStack never asks for ``get_cpu_offload_context`` (TransformerBlock does):
     under :func:`~cpu_offload.integrations.megatron.patch`, ``cpu_offloading=True``
-    builds, trains as without it and moves nothing.  ``offload_layers`` is the way."""
+    builds, trains as without it, moves nothing, and warns.  ``offload_layers`` is the way."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
 
     example, device = megatron
     calls: list[tuple] = []
@@ -245,8 +246,19 @@ def test_patch_does_nothing_on_a_hybrid_model(megatron, monkeypatch):
     data = example.batches(device, 2)
     expected = example.train(hybrid_model(device), data)
     offloading = dict(cpu_offloading=True, cpu_offloading_num_layers=2)
-    with megatron_offload.patch(min_offload_numel=0):
-        model = hybrid_model(device, **offloading)
+    init = HybridStack.__init__
+    with megatron_offload.patch(min_offload_numel=0), megatron_offload.patch():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hybrid_model(device)  # without the switch: nothing to say
+            model = hybrid_model(device, **offloading)
+        ours = [w for w in caught if str(w.message).startswith("cpu_offload")]
+        assert [w.category for w in ours] == [UserWarning], [str(w.message) for w in ours]
+        assert str(ours[0].message).startswith(
+            "cpu_offload: TransformerConfig(cpu_offloading=True) does nothing for a "
+            "Megatron-Core HybridModel: its HybridStack never asks for an offload context"
+        )
+        assert "offload_layers(model, k)" in str(ours[0].message)
         assert calls == [] and not hasattr(model.decoder, "offload_context")
         assert model.config._cpu_offloading_context is None
         actual = example.train(model, data)
@@ -259,5 +271,10 @@ def test_patch_does_nothing_on_a_hybrid_model(megatron, monkeypatch):
             max_sequence_length=SEQ,
             position_embedding_type="rope",
         )
-    assert len(calls) == 1 and calls[0][:3] == (True, 2, LAYERS)
+    assert len(calls) == 1 and calls[0][:3] == (True, 2, LAYERS)  # the block asks once
     assert gpt.decoder.offload_context.offload_synchronizer.num_offloaded_layers == 2
+    assert HybridStack.__init__ is init  # both patches removed: Megatron's own again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hybrid_model(device, **offloading)
+    assert not [w for w in caught if str(w.message).startswith("cpu_offload")]
