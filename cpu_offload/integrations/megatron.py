@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from types import ModuleType
@@ -32,6 +33,15 @@ _SITES = (
     "megatron.core.extensions.transformer_engine",
 )
 _LAYERS_MODULE = "megatron.core.tensor_parallel.layers"
+#: Megatron-Core 0.19's HybridModel stack, which never reads the offloader
+_HYBRID_MODULE = "megatron.core.models.hybrid.hybrid_block"
+_HYBRID_IGNORES = (
+    "cpu_offload: TransformerConfig(cpu_offloading=True) does nothing for a Megatron-Core "
+    "HybridModel: its HybridStack never asks for an offload context, so "
+    "cpu_offload.integrations.megatron.patch() cannot reach it and nothing is offloaded. "
+    "Call cpu_offload.offload_layers(model, k) on the built model instead "
+    "(docs/megatron.md, HybridModel)."
+)
 
 
 def get_cpu_offload_context(
@@ -115,6 +125,10 @@ class MegatronPatch:
                 module.get_cpu_offload_context = installed[-1]  # type: ignore[attr-defined]
             else:
                 module.get_cpu_offload_context = _originals.pop(module)  # type: ignore[attr-defined]
+        if not _active:
+            for stack, init in _hybrid_inits.items():
+                stack.__init__ = init  # type: ignore[misc]
+            _hybrid_inits.clear()
 
     def __enter__(self) -> MegatronPatch:
         return self
@@ -126,6 +140,29 @@ class MegatronPatch:
 #: patches in place, oldest first, and what each site held before the first of them
 _active: list[MegatronPatch] = []
 _originals: dict[ModuleType, Any] = {}
+#: HybridStack's own __init__, while a patch wraps it to say that it ignores the switch
+_hybrid_inits: dict[type, Callable] = {}
+
+
+def _warn_from_hybrid_stacks() -> None:
+    """While a patch is in place, a HybridStack built with ``cpu_offloading=True`` warns
+    that the switch does nothing there (Megatron accepts it silently)."""
+    try:
+        stack = importlib.import_module(_HYBRID_MODULE).HybridStack
+    except (ImportError, AttributeError):
+        return  # before 0.19, or a future layout
+    if stack in _hybrid_inits:
+        return
+    original = stack.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, config, *args, **kwargs)
+        if getattr(config, "cpu_offloading", False):
+            warn(_HYBRID_IGNORES, UserWarning)
+
+    _hybrid_inits[stack] = original
+    stack.__init__ = __init__
 
 
 def patch(**options: Any) -> MegatronPatch:
@@ -141,6 +178,10 @@ def patch(**options: Any) -> MegatronPatch:
     Megatron's ``TransformerConfig`` still refuses ``cpu_offloading`` with pipeline
     parallelism > 1 or activation recomputation; both work with
     :func:`cpu_offload.offload_layers` on the built model instead (see docs/megatron.md).
+
+    Megatron-Core 0.19's ``HybridModel`` never asks for the offloader: while a patch is in
+    place, building one with ``cpu_offloading=True`` warns that nothing is offloaded; use
+    :func:`cpu_offload.offload_layers` on it.
 
     Raises:
         ImportError: Megatron-Core is not installed.
@@ -172,6 +213,7 @@ def patch(**options: Any) -> MegatronPatch:
             UserWarning,
             stacklevel=2,
         )
+    _warn_from_hybrid_stacks()
     applied = MegatronPatch(sites, function)
     _active.append(applied)
     logger.info(
