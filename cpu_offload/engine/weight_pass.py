@@ -43,8 +43,8 @@ NOTE [A backward in two phases]
     linear layer's input), so it would keep most of the pass.  A second full backward
     with ``retain_graph=True`` (not ``W``) runs through the same chain: its own schedule
     finds the first layer already reloading, and the rest as before.  The stage model of
-    it is ``plan/stage_plan.py``'s (NOTE [A stage's passes in flight]) and
-    ``plan/pipeline.py``'s (NOTE [The stage model]).
+    it is ``plan/pipeline/stage_model.py``'s (NOTE [A stage's passes in flight], NOTE
+    [The stage model]).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A memory budget inside a pipeline stage: the first step is measured with every pass in
 flight, and the plan is for that many (NOTE [A stage's passes in flight] in
-plan/stage_plan.py), ``keep_passes`` included where the per-layer policy cannot fit."""
+plan/pipeline/stage_model.py), ``keep_passes`` included where the per-layer policy cannot fit."""
 
 from __future__ import annotations
 
