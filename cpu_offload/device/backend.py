@@ -143,6 +143,11 @@ class DeviceBackend:
         """An event that can measure elapsed time (``record``, ``elapsed_time``)."""
         return HostTimingEvent()
 
+    def is_capturing(self) -> bool:
+        """Whether work on the current stream is being captured into a graph (a CUDA
+        graph) instead of running."""
+        return False
+
     @contextlib.contextmanager
     def count_host_syncs(self) -> Iterator[list[int] | None]:
         """Count host synchronisations inside the block (``None``: not measurable)."""

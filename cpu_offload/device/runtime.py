@@ -127,6 +127,10 @@ class StreamBackend(DeviceBackend):
         if isinstance(stream, torch.Stream):  # a simulated runtime's streams are not
             tensor.record_stream(stream)
 
+    def is_capturing(self) -> bool:
+        capturing = getattr(self._runtime, "is_current_stream_capturing", None)
+        return capturing is not None and bool(capturing())
+
     def current_stream_key(self) -> object:
         if self._raw_stream is not None:
             return self._raw_stream(self.device.index)

@@ -63,6 +63,17 @@ class _LayerInProgress:
         self.last_layer: int | None = None
 
 
+#: what a layer entered while its stream is captured into a CUDA graph gets
+CAPTURE_REFUSED = (
+    "cpu_offload: a layer entered the offload context while its stream is being captured "
+    "into a CUDA graph (torch.cuda.graph, torch.cuda.make_graphed_callables). The "
+    "offloader decides its copies, events and host buffers per step in Python, which a "
+    "graph's replay does not run, so capture is not supported yet. Leave the offloaded "
+    "layers out of the graph, or turn offload off around the capture (handle.enabled = "
+    "False for offload_layers, enabled=False for get_cpu_offload_context)."
+)
+
+
 class OffloadContext:
     """Context entered around each layer's forward; see :func:`get_cpu_offload_context`.
 
@@ -126,6 +137,8 @@ class OffloadContext:
             frame.inside = True
             return self
         synchronizer = self.offload_synchronizer
+        if synchronizer.backend.is_capturing():
+            raise CpuOffloadError(CAPTURE_REFUSED)
         try:
             if new_pass:
                 synchronizer.abort_forward(failed=False)
