@@ -284,3 +284,48 @@ def tiny_preset_run(min_numel: int) -> tuple[Any, Any, Any]:
     model = Llama(LlamaConfig(hidden=256, heads=4, kv_heads=2, ffn=688, layers=4))
     tokens = torch.randint(0, 1024, (2, 513))
     return layer, model, tokens
+
+
+def saved_bytes_per_layer(model: torch.nn.Module, data: list) -> list[int]:
+    """Bytes of the non-parameter storages each layer of a Megatron-Core model's
+    ``decoder.layers`` saves for backward in one step on ``data[0]``."""
+    seen: list[dict[int, int]] = []
+
+    def pack(tensor):
+        base = tensor if tensor._base is None else tensor._base
+        if not isinstance(base, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            seen[-1][storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def pre(module, args, kwargs):
+        seen.append({})
+        module._census = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        module._census.__enter__()
+
+    def post(module, args, kwargs, output):
+        module._census.__exit__(None, None, None)
+
+    hooks = []
+    for layer in model.decoder.layers:
+        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(layer.register_forward_hook(post, with_kwargs=True))
+    tokens, positions, mask = data[0]
+    model(tokens, positions, mask, labels=tokens).float().mean().backward()
+    for hook in hooks:
+        hook.remove()
+    return [sum(layer.values()) for layer in seen]
+
+
+def offload_in_order(model: torch.nn.Module, order: str, prepare: Any, k: int) -> Any:
+    """``offload_layers(model, k, min_offload_numel=0)`` before ``prepare(model)`` (which
+    compiles its blocks) when ``order`` is ``"offload first"``, after it otherwise; the
+    handle."""
+    from cpu_offload import offload_layers
+
+    if order == "offload first":
+        handle = offload_layers(model, k, min_offload_numel=0)
+        prepare(model)
+        return handle
+    prepare(model)
+    return offload_layers(model, k, min_offload_numel=0)

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import MLPBlock, assert_bit_identical
+from helpers import MLPBlock, assert_bit_identical, offload_in_order
 from torch import nn
 
 from cpu_offload import offload_layers
@@ -79,12 +79,7 @@ def run_both(container: str, style: str, order: str, backend: str):
     model = copy.deepcopy(reference)
     compile_blocks(reference, style, backend)
     expected = [step(reference, seed) for seed in (1, 2)]
-    if order == "offload first":
-        handle = offload_layers(model, K, min_offload_numel=0)
-        compile_blocks(model, style, backend)
-    else:
-        compile_blocks(model, style, backend)
-        handle = offload_layers(model, K, min_offload_numel=0)
+    handle = offload_in_order(model, order, lambda m: compile_blocks(m, style, backend), K)
     actual = [step(model, seed) for seed in (1, 2)]
     return expected, actual, handle
 

@@ -11,9 +11,8 @@ import types
 
 import pytest
 import torch
+from helpers import offload_in_order
 from hosts import require
-
-from cpu_offload import offload_layers
 
 K = 3
 
@@ -87,12 +86,7 @@ def test_torchtitan_llama3_per_block_compile_offloaded(ac, order, backend):
     model = copy.deepcopy(reference)
     parallelize(reference, ac, backend)
     expected = [step(reference, seed) for seed in (1, 2)]
-    if order == "offload first":
-        handle = offload_layers(model, K, min_offload_numel=0)
-        parallelize(model, ac, backend)
-    else:
-        parallelize(model, ac, backend)
-        handle = offload_layers(model, K, min_offload_numel=0)
+    handle = offload_in_order(model, order, lambda m: parallelize(m, ac, backend), K)
     assert (
         "6 " in handle.found and "layers 0-5 are keys '0'..'5' in iteration order" in handle.found
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_example
+from helpers import load_example, saved_bytes_per_layer
 from hosts import require
 
 from cpu_offload.integrations import megatron as megatron_offload
@@ -79,44 +79,11 @@ def test_two_patches_removed_in_any_order_restore_megatron(megatron, order):
     assert block.get_cpu_offload_context is before[0]
 
 
-def _saved_bytes_per_layer(model, data) -> list[int]:
-    """Bytes of the non-parameter storages each decoder layer saves for backward."""
-    seen: list[dict[int, int]] = []
-
-    def pack(tensor):
-        weight = isinstance(tensor, torch.nn.Parameter) or isinstance(
-            tensor._base, torch.nn.Parameter
-        )
-        if not weight:
-            storage = tensor.untyped_storage()
-            seen[-1][storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    hooks = []
-    for layer in model.decoder.layers:
-
-        def pre(module, args, kwargs):
-            seen.append({})
-            module._census = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            module._census.__enter__()
-
-        def post(module, args, kwargs, output):
-            module._census.__exit__(None, None, None)
-
-        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        hooks.append(layer.register_forward_hook(post, with_kwargs=True))
-    tokens, positions, mask = data[0]
-    model(tokens, positions, mask, labels=tokens).float().mean().backward()
-    for hook in hooks:
-        hook.remove()
-    return [sum(layer.values()) for layer in seen]
-
-
 def test_gpt_model_trains_bit_identical_and_moves_most_saved_bytes(megatron):
     example, device = megatron
     data = example.batches(device, 2)
     plain = example.build(None, device)
-    saved = _saved_bytes_per_layer(plain, data)
+    saved = saved_bytes_per_layer(plain, data)
     expected = example.train(example.build(None, device), data)
     with megatron_offload.patch(min_offload_numel=0):
         model = example.build(example.OFFLOADED, device)

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import load_example
+from helpers import load_example, saved_bytes_per_layer
 from hosts import require
 
 from cpu_offload import offload_layers
@@ -125,36 +125,6 @@ def same(expected: list[list[torch.Tensor]], actual: list[list[torch.Tensor]]) -
         len(e) == len(a) and all(torch.equal(x, y) for x, y in zip(e, a))
         for e, a in zip(expected, actual)
     )
-
-
-def saved_bytes_per_layer(model: torch.nn.Module, data: list) -> list[int]:
-    """Bytes of the non-parameter storages each decoder layer saves for backward."""
-    seen: list[dict[int, int]] = []
-
-    def pack(tensor):
-        base = tensor if tensor._base is None else tensor._base
-        if not isinstance(base, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
-            seen[-1][storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    def pre(module, args, kwargs):
-        seen.append({})
-        module._census = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        module._census.__enter__()
-
-    def post(module, args, kwargs, output):
-        module._census.__exit__(None, None, None)
-
-    hooks = []
-    for layer in model.decoder.layers:
-        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        hooks.append(layer.register_forward_hook(post, with_kwargs=True))
-    tokens, positions, mask = data[0]
-    model(tokens, positions, mask, labels=tokens).float().mean().backward()
-    for hook in hooks:
-        hook.remove()
-    return [sum(layer.values()) for layer in seen]
 
 
 def test_the_local_spec_builds_attention_and_mlp_layers_without_te(megatron):
