@@ -117,7 +117,8 @@ def test_eval_generation_under_no_grad():
     with offload_layers(model.layers, 3, min_offload_numel=0) as handle:
         actual = model.generate(prompt, 4)
     assert torch.equal(expected, actual)
-    assert handle.offload_synchronizer.stats.forward_passes == 4
+    # no_grad passes save nothing and are not counted (NOTE [A pass that saves nothing])
+    assert handle.offload_synchronizer.stats.forward_passes == 0
     assert handle.offload_synchronizer.stats.tensors_offloaded == 0
 
 
