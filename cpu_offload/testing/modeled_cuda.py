@@ -145,6 +145,7 @@ def _runtime_functions(runtime: TimedRuntime) -> dict[str, Any]:
         "default_stream": default_stream,
         "synchronize": runtime.synchronize,
         "is_available": lambda: True,
+        "is_current_stream_capturing": lambda: False,  # no CUDA graphs in the model yet
         "is_initialized": lambda: True,
         "_lazy_init": lambda: None,
         "device_count": lambda: 1,
