@@ -332,7 +332,7 @@ class AutoPolicy:
         records = [r if r is not None else stand_in for r in found]
         hazards = [h + [NOT_MEASURED] if r is None else h for h, r in zip(self.hazards, found)]
         hazards = [
-            h + [BY_THE_MODEL] if r and r.recompute_bytes else h for h, r in zip(hazards, found)
+            h + [BY_THE_MODEL] if r and r.by_the_model else h for h, r in zip(hazards, found)
         ]
         costs = measured_costs(records, BACKWARD_PER_FORWARD)
         if self.link is None:

@@ -74,6 +74,12 @@ class MeasuredLayer:
     input_tensors_offloaded: int = 0
     forward_s: float | None = None
     recompute_bytes: int = 0
+    in_checkpoint: bool = False
+
+    @property
+    def by_the_model(self) -> bool:
+        """Whether a checkpoint the model placed recomputes the layer already."""
+        return bool(self.recompute_bytes) or self.in_checkpoint
 
 
 class ObservedLayerState(OffloadableLayerState):

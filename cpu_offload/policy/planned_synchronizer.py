@@ -45,8 +45,15 @@ from .measured_step import (
     measure_inputs,
     measure_pushed,
 )
+from .reentrant_budget import ChunkMeasure
 
-__all__ = ["MEASURED", "PlannedOffloadSynchronizer", "StepListener"]
+__all__ = [
+    "MEASURED",
+    "PlannedOffloadSynchronizer",
+    "StepListener",
+    "chunk_measure",
+    "ran_in_checkpoint",
+]
 
 #: what the step report calls a layer of the measured first step (it runs as the model does)
 MEASURED = "measured"
@@ -327,3 +334,27 @@ class PlannedOffloadSynchronizer(DefaultOffloadSynchronizer):
             self.min_offload_bytes,
             self.excluded,
         )
+
+
+def ran_in_checkpoint(synchronizer: PlannedOffloadSynchronizer, layer: int) -> None:
+    """Layer ``layer`` runs inside a reentrant checkpoint's forward, under no-grad: it
+    counts as run with grad (NOTE [A budget around reentrant checkpoints] in
+    reentrant_budget.py)."""
+    current = synchronizer.current_pass
+    if current is not None and (
+        layer == 0 or layer in synchronizer.unmeasured or synchronizer.measuring(current)
+    ):
+        synchronizer._with_grad.add(layer)
+
+
+def chunk_measure(synchronizer: PlannedOffloadSynchronizer, layer: int) -> ChunkMeasure | None:
+    """Where the pass is measured, what counts the bytes of the reentrant checkpoint's
+    chunk that starts at ``layer`` (reentrant_budget.py); None otherwise."""
+    if not synchronizer.measuring(synchronizer.current_pass):
+        return None
+    return ChunkMeasure(
+        synchronizer._records,
+        lambda: synchronizer.new_layer_state(layer, f"the checkpoint's inputs at layer {layer}"),
+        synchronizer._measure,
+        synchronizer.excluded,
+    )

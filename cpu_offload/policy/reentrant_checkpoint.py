@@ -27,9 +27,11 @@ NOTE [Layers inside a reentrant checkpoint]
 
     A checkpoint whose inputs need no gradient saves nothing, and nothing is pushed.
     Recomputation runs inside backward, where the contexts pass through.  The
-    checkpoint's own RNG handling is untouched.  Where the inputs stay, one warning per
-    handle says why: the chunk's last layer is kept, or ``memory_budget=`` (whose measured
-    step sees the layers save nothing under no-grad, and could not plan them).
+    checkpoint's own RNG handling is untouched.  Where the inputs stay while an earlier
+    layer of the chunk is offloaded (the chunk's last layer is kept), one warning per
+    handle says why.  Under ``memory_budget=``, the measured step counts the inputs and
+    the chunk's recompute, and the plan moves them with the chunk's last layer (NOTE [A
+    budget around reentrant checkpoints] in reentrant_budget.py).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ from ..hooks.handles import unpack_saved
 from ..hooks.module_hooks import ModuleHook
 from ..log import logger, warn
 from .other_offloaders import other_offloader, other_offloader_warning
-from .planned_synchronizer import PlannedOffloadSynchronizer
+from .planned_synchronizer import PlannedOffloadSynchronizer, chunk_measure, ran_in_checkpoint
+from .reentrant_budget import ChunkMeasure
 
 if TYPE_CHECKING:
     from torch import nn
@@ -103,13 +106,15 @@ class _InputsPack:
     """The pack hook pushed as a chunk's offloaded layer leaves: the layer's own, until
     the checkpoint's saved inputs are packed."""
 
-    __slots__ = ("push", "counter", "packed", "owner")
+    __slots__ = ("push", "counter", "packed", "owner", "measure", "tensors")
 
     def __init__(self, push: Any, counter: _SaveCount | int, owner: _Chunk) -> None:
         self.push = push
         self.counter = counter
         self.packed = 0
         self.owner = owner
+        self.measure: ChunkMeasure | None = None  # a budget's measured step
+        self.tensors: list[torch.Tensor] = []
 
     def expected(self) -> int | None:
         counter = self.counter
@@ -118,10 +123,15 @@ class _InputsPack:
     def __call__(self, tensor: Any) -> Any:
         handle = self.push(tensor)
         self.packed += 1
+        if self.measure is not None and isinstance(tensor, torch.Tensor):
+            self.tensors.append(tensor)
         expected = self.expected()
         if expected is None or self.packed >= expected:
             self.owner.take_off(self)
             self.owner.moved = True
+            if self.measure is not None:
+                tensors, self.tensors = self.tensors, []
+                self.measure.inputs_saved(tensors)
         return handle
 
 
@@ -129,7 +139,7 @@ class _Chunk:
     """One thread's checkpoint in progress: its ``ctx`` (weakly: the graph owns it), the
     layers run in it, and the pack hook left pushed."""
 
-    __slots__ = ("ctx", "counter", "layers", "last", "forward_pass", "pushed", "moved")
+    __slots__ = ("ctx", "counter", "layers", "last", "forward_pass", "pushed", "moved", "measure")
 
     def __init__(self, ctx: Any, counter: _SaveCount | int, forward_pass: ForwardPass) -> None:
         self.ctx = weakref.ref(ctx)
@@ -139,6 +149,7 @@ class _Chunk:
         self.forward_pass = forward_pass.weak
         self.pushed: _InputsPack | None = None
         self.moved = False  # the inputs were handed to a layer
+        self.measure: ChunkMeasure | None = None  # a budget's measured step
 
     def take_off(self, pack: _InputsPack | None = None) -> None:
         """Pop the pushed pack hook if it is still the innermost one."""
@@ -194,6 +205,7 @@ class ReentrantCheckpoints:
         chunk, current.open = current.chunk, False
         if torch.is_grad_enabled():  # the common case first: no checkpoint's forward
             current.chunk = None
+            ChunkMeasure.layer_enters()  # a measured chunk's recompute, if any
             return
         forward_pass = self.synchronizer.current_pass
         if not self.context.active or forward_pass is None or forward_inside_backward():
@@ -203,22 +215,14 @@ class ReentrantCheckpoints:
         if ctx is None or not any(ctx.needs_input_grad):
             current.chunk = None  # evaluation, or a checkpoint that saves nothing
             return
-        if isinstance(self.synchronizer, PlannedOffloadSynchronizer):
-            self._warn_once(
-                f"cpu_offload: offload_layers(memory_budget=...) measures a layer by what it "
-                f"saves while it runs, and these layers run inside a reentrant checkpoint "
-                f"({type(ctx).__name__}) under no-grad, whose inputs are saved after them: "
-                "the budget cannot measure them, so no plan is made and nothing moves. Pass "
-                "the number of layers to offload (k) instead: the checkpoint's inputs then "
-                "move with the chunk's last layer."
-            )
-            current.chunk = None
-            return
         if chunk is None or chunk.ctx() is not ctx:
             chunk = current.chunk = self._new_chunk(ctx, forward_pass)
         if chunk.last:
             chunk.layers.append(chunk.last.pop())
-        chunk.last.append(forward_pass.layers_forwarded - 1)
+        layer = forward_pass.layers_forwarded - 1
+        chunk.last.append(layer)
+        if isinstance(self.synchronizer, PlannedOffloadSynchronizer):
+            self._measure(chunk, layer)
         current.open = True
 
     def left(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -226,6 +230,7 @@ class ReentrantCheckpoints:
         the checkpoint's inputs when the layer is offloaded."""
         current = self._current
         if not current.open:
+            ChunkMeasure.layer_leaves()  # a measured chunk's recompute, if any
             return
         chunk = current.chunk
         if chunk is None:
@@ -235,17 +240,36 @@ class ReentrantCheckpoints:
         layer = chunk.last[-1]
         if forward_pass is None:
             return
-        if self.synchronizer.layer_is_offloaded(layer):
+        planned = isinstance(self.synchronizer, PlannedOffloadSynchronizer)
+        if chunk.measure is not None or self.synchronizer.layer_is_offloaded(layer):
             pack = _InputsPack(forward_pass.state(layer).push_tensor, chunk.counter, chunk)
+            pack.measure = chunk.measure
             push_saved_tensor_hooks(pack, unpack_saved)
             chunk.pushed = pack
-        elif any(map(self.synchronizer.layer_is_offloaded, chunk.layers)):
+        elif not planned and any(map(self.synchronizer.layer_is_offloaded, chunk.layers)):
             self._warn_once(
                 f"cpu_offload: offloaded layers run inside a reentrant checkpoint "
                 f"({type(chunk.ctx()).__name__}) whose last layer, {layer}, is kept: the "
                 "checkpoint's saved inputs go with its last layer, so they stay on the "
                 "device. Offload that layer too, or checkpoint the offloaded layers apart."
             )
+
+    def _measure(self, chunk: _Chunk, layer: int) -> None:
+        """A budget's layer in ``chunk``: it ran with grad, and where this pass is
+        measured, the chunk's bytes are (NOTE [A budget around reentrant checkpoints])."""
+        synchronizer = self.synchronizer
+        assert isinstance(synchronizer, PlannedOffloadSynchronizer)
+        measure = chunk.measure
+        if measure is None and not chunk.layers:  # the chunk's first layer
+            measure = chunk.measure = chunk_measure(synchronizer, layer)
+            ctx = chunk.ctx()
+            if measure is not None and ctx is not None:
+                measure.warned = self._warn_once
+                ctx.register_prehook(measure.recompute_starts)
+                ctx.register_hook(measure.recompute_ends)
+        ran_in_checkpoint(synchronizer, layer)
+        if measure is not None:
+            measure.order.append(layer)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:

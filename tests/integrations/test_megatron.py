@@ -163,6 +163,57 @@ def test_offload_layers_finds_megatrons_decoder_layers(megatron):
     assert synchronizer.stats.tensors_offloaded > 0
 
 
+def no_cuda_rng(monkeypatch) -> None:
+    """Megatron's checkpoint keeps the CUDA RNG states beside the CPU's: none on a CPU."""
+    import types
+
+    from megatron.core.tensor_parallel import random
+
+    tracker = types.SimpleNamespace(get_states=dict, set_states=lambda states: None)
+    monkeypatch.setattr(random, "get_cuda_rng_tracker", lambda *args, **kwargs: tracker)
+    monkeypatch.setattr(random, "_get_cuda_rng_state", lambda *args, **kwargs: None)
+    monkeypatch.setattr(random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("layers_per_chunk", [1, 2])
+def test_full_recompute_under_a_memory_budget(megatron, monkeypatch, layers_per_chunk):
+    """memory_budget= counts each chunk's saved inputs on its last layer and its
+    recompute at its backward (NOTE [A budget around reentrant checkpoints]); a budget a
+    byte under keeping everything offloads a chunk's inputs, never checkpoints a layer
+    again, and the steps stay bit-identical."""
+    from cpu_offload import offload_layers
+
+    example, device = megatron
+    no_cuda_rng(monkeypatch)
+    data = example.batches(device, 3)
+    expected = example.train(recomputed_gpt(layers_per_chunk).to(device), data)
+    plans = []
+    for budget in ("1GiB", None):
+        model = recomputed_gpt(layers_per_chunk).to(device)
+        budget = budget or f"{plans[0].predicted.peak_bytes - 1}B"
+        handle = offload_layers(model, memory_budget=budget, min_offload_numel=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            actual = example.train(model, data)
+        assert not [w for w in caught if str(w.message).startswith("cpu_offload")]
+        for step_expected, step_actual in zip(expected, actual):
+            assert all(torch.equal(a, b) for a, b in zip(step_expected, step_actual))
+        plans.append(handle.plan)
+        measured, stats = handle.auto.measured, handle.offload_synchronizer.stats
+        handle.remove()
+    last = [j for j in range(4) if (j + 1) % layers_per_chunk == 0]
+    hidden_state = 32 * 2 * 64 * 4  # [seq, batch, hidden] fp32
+    assert all(r.in_checkpoint for r in measured)
+    assert all((r.saved_bytes >= hidden_state) == (j in last) for j, r in enumerate(measured))
+    assert all((r.recompute_bytes > hidden_state) == (j in last) for j, r in enumerate(measured))
+    keep, planned = plans
+    assert keep.policy == ["keep"] * 4
+    assert planned.fits and "offload" in planned.policy
+    assert not any(c.startswith("checkpoint") for c in planned.policy)
+    assert stats.bytes_offloaded >= hidden_state and stats.on_demand_reloads == 0
+    assert stats.bytes_reloaded == stats.bytes_offloaded
+
+
 def recomputed_gpt(layers_per_chunk: int) -> torch.nn.Module:
     """The example's GPTModel under ``recompute_granularity="full"`` (Megatron's reentrant
     ``tensor_parallel.checkpoint`` around chunks of ``layers_per_chunk`` layers)."""

@@ -1106,6 +1106,39 @@ def budget_with_the_models_checkpointing(off: Offload) -> list[torch.Tensor]:
     return found
 
 
+def budget_inside_reentrant_chunks(kind: str) -> Callable[[Offload], list]:
+    """``memory_budget=`` with hooked layers inside reentrant checkpoints of chunks [0],
+    [1, 2] (dropout in every layer): torch's, or Megatron's shape; a measured step, whose
+    checkpoints' inputs and recomputes are counted, then two planned steps (NOTE [A
+    budget around reentrant checkpoints] in policy/reentrant_budget.py)."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.GELU())
+            for _ in range(L)
+        ]
+        off.budget(blocks)
+        found = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # budgets nothing fits
+            for _ in range(3):
+                x = leaf(8, 4)
+                for chunk in (blocks[:1], blocks[1:]):
+                    run = functools.partial(functools.reduce, lambda h, block: block(h), chunk)
+                    if kind == "torch":
+                        x = checkpoint(run, x, use_reentrant=True)
+                    else:
+                        x = SavesAfterRunning.apply(run, x)
+                x.sum().backward()
+                found += [p.grad.clone() for b in blocks for p in b.parameters()]
+                for block in blocks:
+                    block.zero_grad(set_to_none=True)
+        return found
+
+    return program
+
+
 def budget_under_a_host_cap(off: Offload) -> list[torch.Tensor]:
     """offload_layers(memory_budget=..., max_host_bytes=...): the plan checkpoints where
     the host is short, and the steps move what it predicts, nothing refused by the cap."""
@@ -1624,6 +1657,12 @@ PROGRAMS = {
     ),
     "memory_budget with the model's gradient checkpointing": Row(
         budget_with_the_models_checkpointing
+    ),
+    "memory_budget, hooks inside reentrant checkpoints of 1 and 2 layers": Row(
+        budget_inside_reentrant_chunks("torch")
+    ),
+    "memory_budget, hooks inside checkpoints that save after running": Row(
+        budget_inside_reentrant_chunks("saves after")
     ),
     "keep_passes=1, a no_grad forward between two passes": Row(evaluation_between_passes_kept_one),
     "keep_passes=1, two threads share the context, steps alternating": Row(two_threads_kept_one),

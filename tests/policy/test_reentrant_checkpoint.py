@@ -61,13 +61,18 @@ def test_a_chunk_whose_last_layer_is_kept_says_its_input_stays():
     handle.remove()
 
 
-def test_a_memory_budget_says_it_cannot_measure_them():
+def test_a_memory_budget_counts_them_and_moves_what_it_plans():
+    """The budget's side: tests/policy/test_reentrant_budget.py."""
     layers = blocks()
-    handle = offload_layers(layers, memory_budget="1MiB", min_offload_numel=0)
+    handle = offload_layers(layers, memory_budget="1KiB", min_offload_numel=0)
     x = torch.randn(8, 16, requires_grad=True)
-    with pytest.warns(UserWarning, match=r"memory_budget=...\) measures a layer by what it"):
-        run_chunks(layers, [1, 1, 1, 1], x).sum().backward()
-    assert handle.offload_synchronizer.stats.tensors_offloaded == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: each chunk's input is 512 B, and
+        for _ in range(2):  # its recompute holds 512 B more (Tanh's output)
+            run_chunks(layers, [1, 1, 1, 1], x).sum().backward()
+    assert handle.plan.fits and handle.plan.predicted.peak_bytes == 1024
+    assert handle.plan.policy == ["offload"] * 3 + ["keep"]
+    assert handle.offload_synchronizer.stats.tensors_offloaded == 3  # 3 chunks' inputs
     handle.remove()
 
 
