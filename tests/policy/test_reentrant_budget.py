@@ -23,16 +23,6 @@ H = 256
 MIB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def not_capturing(monkeypatch):
-    """The modeled accelerator captures no graph (its ``torch.cuda`` may lack the query on a
-    CPU build of torch)."""
-    try:
-        torch.cuda.is_current_stream_capturing()
-    except RuntimeError:
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-
-
 class Block(torch.nn.Module):
     """A block whose recompute (in backward) marks the modeled memory, less what is live
     then and not counted by the offloader (``not_counted()``)."""
