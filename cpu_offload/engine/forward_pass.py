@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -46,7 +47,8 @@ class ForwardPass:
         model_layers: how many.
         layers_forwarded: how many layers' forwards have started.
         previous_bwd_layer: the layer whose backward ran last, not yet released.
-        finish_queued: whether the end-of-backward callback is queued.
+        finish_queued: whether the end-of-backward callback is queued, and
+        backward_call: the backward it was queued for (weak; backward_hook.py).
         backward_reached: whether a backward has reached the pass (no layer of it
             forwards after that).
         hooked_output: the latest tensor ``sync_fn`` hooked (weak), and
@@ -76,6 +78,7 @@ class ForwardPass:
         self.layers_forwarded = 0
         self.previous_bwd_layer: int | None = None
         self.finish_queued = False
+        self.backward_call: weakref.ref[Any] | None = None  # a BackwardCall
         self.backward_reached = False
         #: the pass whose forward had ended when this one started (weak)
         self.follows: weakref.ref[ForwardPass] | None = None

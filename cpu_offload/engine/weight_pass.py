@@ -19,11 +19,12 @@ NOTE [A backward in two phases]
     the simplest design that keeps the device as it was after ``I`` save one layer, and
     makes no reload wait on demand:
 
-    - the offloaded layers the backward released with the graph alive form a chain,
-      in the order torch's ``stage_backward_weight`` unpacks them: it runs one
-      ``autograd.grad`` per group of parameters, in the order of ``parameters()``, so
-      from the first layer up.  The first one's reload starts now (it waits on the
-      device, with the pass's kept layers, for ``W``);
+    - the offloaded layers the backward released with the graph alive, and whose part
+      of the graph it left partly unrun (below), form a chain, in the order torch's
+      ``stage_backward_weight`` unpacks them: it runs one ``autograd.grad`` per group of
+      parameters, in the order of ``parameters()``, so from the first layer up.  The
+      first one's reload starts now (it waits on the device, with the pass's kept
+      layers, for ``W``);
     - the first unpack of a chain layer (its first node of ``W``) releases the chain
       layer unpacked before it (its device tensors; the host copy stays while the graph
       may unpack it) and starts the reload of the next one in the direction ``W`` goes
@@ -33,6 +34,26 @@ NOTE [A backward in two phases]
       weight gradients of ``j``;
     - the last layer of the chain goes with the graph, when ``W`` drops it.
 
+    Only a backward that leaves part of a layer's graph unrun arms it: ``I``'s
+    ``autograd.grad`` to the inputs runs the nodes on the inputs' path, not those that
+    lead only to the weights (a weight's ``AccumulateGrad``, its ``t()``), which ``W``
+    comes for.  A full backward runs them all, so a loop of
+    ``backward(retain_graph=True)`` arms nothing and reloads each layer once, for that
+    backward; a second full backward, if one comes, passes the layers' outputs and
+    reloads on its own schedule, as the first did.  Which tensors the first backward
+    left unpacked cannot tell: a node unpacks all its saved tensors when it runs, so
+    ``I`` unpacks what only ``W`` needs as well.  So each hook notes the node it sits on
+    (``torch._C._current_autograd_node``, in a ``BackwardCall`` that only the running
+    backward holds), and as the backward ends (the engine still answers for it), the
+    nodes below a chain layer's node, down to the next layer's, are asked
+    ``torch._C._will_engine_execute_node``: the layer is armed when one of them does not
+    run.  The walk is made only where a chain exists (a retained graph), and a node
+    found run with everything below it is not walked again.  Whether a second backward
+    will come is not known: a backward to some inputs with the graph retained
+    (``autograd.grad(loss, x, retain_graph=True)``, ``backward(inputs=...)``) arms the
+    chain, unused where nothing follows it; a layer whose node is not known (a hook run
+    outside a node) is armed.
+
     The manual synchronizer arms nothing: every reload is the controller's
     (TransformerEngine's contract), a second backward's too.
 
@@ -41,16 +62,18 @@ NOTE [A backward in two phases]
     what only ``W`` needs would need to know which saved tensors ``W`` unpacks, which a
     pack hook cannot; and ``W`` reads most of a transformer layer's activations (every
     linear layer's input), so it would keep most of the pass.  A second full backward
-    with ``retain_graph=True`` (not ``W``) runs through the same chain: its own schedule
-    finds the first layer already reloading, and the rest as before.  The stage model of
+    after ``I`` (not ``W``) runs through the same chain: its own schedule finds the
+    first layer already reloading, and the rest as before.  The stage model of
     it is ``plan/pipeline/stage_model.py``'s (NOTE [A stage's passes in flight], NOTE
     [The stage model]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .transitions import LayerState
 
@@ -58,7 +81,7 @@ if TYPE_CHECKING:
     from .forward_pass import ForwardPass
     from .layer_state import OffloadableLayerState
 
-__all__ = ["arm_second_backward", "second_backward_chain"]
+__all__ = ["arm_second_backward", "layers_left_unrun", "second_backward_chain"]
 
 
 def second_backward_chain(forward_pass: ForwardPass) -> list[OffloadableLayerState]:
@@ -77,17 +100,58 @@ def second_backward_chain(forward_pass: ForwardPass) -> list[OffloadableLayerSta
     return chain
 
 
-def arm_second_backward(forward_pass: ForwardPass) -> None:
+def arm_second_backward(forward_pass: ForwardPass, reached: Mapping[int, Any]) -> None:
     """A backward of ``forward_pass`` ended with its graph retained: start the reload of
     the first layer a second backward (ZB-V's ``W``) needs and chain the others to the
-    first unpacks (NOTE [A backward in two phases])."""
+    first unpacks (NOTE [A backward in two phases]).  ``reached``: per layer, the node
+    where this backward reached it (None: not known)."""
     chain = second_backward_chain(forward_pass)
+    if chain:
+        unrun = layers_left_unrun(reached)
+        chain = [state for state in chain if state.layer_index in unrun]
     if not chain:
         return
     chain[0].start_reload()
     walk = _Walk(chain)
     for position, state in enumerate(chain):
         state.on_first_pop = walk.callback(position, state.on_first_pop)
+
+
+def layers_left_unrun(reached: Mapping[int, Any]) -> set[int]:
+    """Of the layers the running backward reached (``reached``: layer -> the node where
+    it did), those whose part of the graph it leaves partly unrun: the nodes below the
+    layer's, down to another layer's, include one it does not run (a weight's, in an
+    ``autograd.grad`` to the inputs).  A layer whose node is not known counts as such."""
+    bounds = {node for node in reached.values() if node is not None}
+    clean: set[Any] = set()  # nodes whose nodes below, down to the bounds, all run
+    unrun = set()
+    for layer, node in sorted(reached.items(), reverse=True):
+        if node is None or _unrun_below(node, bounds, clean):
+            unrun.add(layer)
+    return unrun
+
+
+def _unrun_below(top: Any, bounds: set[Any], clean: set[Any]) -> bool:
+    seen = {top}
+    stack = [top]
+    while stack:
+        for below, _ in stack.pop().next_functions:
+            if below is None or below in seen or below in bounds or below in clean:
+                continue
+            if not _runs(below):
+                return True
+            seen.add(below)
+            stack.append(below)
+    clean.update(seen)
+    return False
+
+
+def _runs(node: Any) -> bool:
+    """Whether the running backward runs ``node``."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # a leaf whose gradient an autograd.grad captures: it is computed
+        return True
 
 
 class _Walk:
