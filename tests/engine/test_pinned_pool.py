@@ -6,6 +6,8 @@ report's ``host_allocations``: 0 in steady state."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import random
 
 import torch
@@ -96,3 +98,37 @@ def test_on_a_real_runtime_the_threshold_is_set_once_and_a_users_is_kept(monkeyp
     settings[:] = ["pinned_max_round_threshold_mb:64"]
     assert exact_pinned_sizes(torch.cuda) == 64 * MIB and len(settings) == 1
     assert exact_pinned_sizes(object()) is None  # a simulated runtime without its own
+
+
+def _parity_program(offload: bool, run_in) -> list[torch.Tensor]:
+    """Varying lengths (a longer step evicts blocks and empties torch's host cache);
+    the parameters' gradients summed over the steps."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(64, 700), torch.nn.GELU(), torch.nn.Linear(700, 64))
+        for _ in range(4)
+    )
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(rows, 64, generator=generator) for rows in (300, 120, 900, 500)]
+    with run_in():
+        handle = offload_layers(layers, 2, min_offload_numel=0) if offload else None
+        for x in inputs:
+            for layer in layers:
+                x = layer(x)
+            x.square().sum().backward()
+        if handle is not None:
+            handle.remove()
+    return [p.grad for p in layers.parameters()]
+
+
+def test_pinned_sizes_leave_gradients_bit_identical():
+    """The pool's pinned path (blocks at torch's sizes, hazards checked on real data)."""
+    expected = _parity_program(False, contextlib.nullcontext)
+    found = _parity_program(True, functools.partial(timed_runtime, "h100", data=True))
+    assert all(torch.equal(a, b) for a, b in zip(expected, found))
+
+
+def test_the_same_program_in_every_stream_flavour_is_bit_identical(streams):
+    expected = _parity_program(False, contextlib.nullcontext)
+    found = _parity_program(True, contextlib.nullcontext)
+    assert all(torch.equal(a, b) for a, b in zip(expected, found))
