@@ -122,6 +122,15 @@ class DeviceBackend:
         """``nbytes`` bytes of host memory (pinned if supported), as a uint8 tensor."""
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
 
+    def host_round_threshold(self) -> int | None:
+        """Bytes above which a host request is held at its size (aligned to 512); at or
+        below it, at the next power of two; None: every request is rounded.  0 where
+        host memory is not pinned (NOTE [Pinned sizes as torch holds them])."""
+        return 0
+
+    def empty_host_cache(self) -> None:
+        """Hand the pinned blocks freed by the host pool back to the OS."""
+
     def empty_device(self, like: torch.Tensor) -> torch.Tensor:
         """A device tensor with the shape, strides and dtype of ``like``, on the current stream."""
         return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .backend import DeviceBackend, Event, HostBackend, Stream, TimingEvent, is_dense
+from .pinned_sizes import empty_pinned_cache, exact_pinned_sizes
 
 __all__ = [
     "StreamBackend",
@@ -139,6 +140,13 @@ class StreamBackend(DeviceBackend):
 
     def synchronize(self) -> None:
         self._runtime.synchronize(self.device)
+
+    def host_round_threshold(self) -> int | None:
+        return exact_pinned_sizes(self._runtime) if self.pin_memory else 0
+
+    def empty_host_cache(self) -> None:
+        if self.pin_memory:
+            empty_pinned_cache(self._runtime)
 
     def timing_event(self) -> TimingEvent:
         return self._runtime.Event(enable_timing=True)

@@ -21,14 +21,14 @@ NOTE [Host memory pool]
       before a new block would exceed that, free blocks are freed, largest first.
       With fixed shapes nothing is ever freed (the blocks in use fit under the
       bound); with varying shapes a larger step replaces the blocks it cannot use.
-    * Costs in calls: a pool miss is one ``empty_host_bytes`` (one pinned
-      allocation on an accelerator: ``cudaHostAlloc`` through torch's caching host
-      allocator, which rounds to a power of two unless its
-      ``pinned_max_round_threshold`` is set); freeing a block hands it back to that
-      allocator (``cudaFreeHost`` synchronises the device when its cache is
-      emptied).  A pool hit is a dictionary lookup and a view.  The step report
-      counts the misses of each step (``host_allocations``): 0 at fixed shapes
-      after the first step.
+    * Blocks are sized as torch's pinned allocator holds them (NOTE [Pinned sizes
+      as torch holds them] in device/pinned_sizes.py: its rounding threshold is set,
+      so a class above 1 MiB is held at its size), so ``reserved_bytes`` is what
+      torch holds.  A pool miss is one ``empty_host_bytes``: one ``cudaHostAlloc``
+      (about 3 ms); freed blocks go back to the OS (torch's host cache is emptied
+      after them).  A hit is a dictionary lookup and a view.  The step report counts
+      the misses of each step (``host_allocations``): 0 at fixed shapes after the
+      first step.
     * Blocks come back when the layer's data is dropped, after the compute stream
       has waited for the layer's copies; every copy into or out of a pool runs on
       its synchronizer's one offload stream, so a block's next copy is ordered after
@@ -63,6 +63,7 @@ from typing import cast
 import torch
 
 from ..device.backend import DeviceBackend
+from ..device.pinned_sizes import held_size
 from ..errors import CpuOffloadError
 from ..log import warn
 from ..report.stats import OffloadStats
@@ -171,6 +172,7 @@ class HostBufferPool:
         self._peak_requested = 0
         self._num_alloc = 0
         self._num_free = 0
+        self._threshold: int | None = -1  # the backend's host_round_threshold (-1: unasked)
         # Passes of several threads share the pool.  Re-entrant: a garbage collection
         # inside ``acquire`` may run a layer's finalizer, which gives its buffers back.
         self._lock = threading.RLock()
@@ -289,6 +291,7 @@ class HostBufferPool:
                     if view is not None:
                         self._count_freed(self._take_back(view).size)
         self._retained.clear()
+        self._backend.empty_host_cache()
 
     def stats(self) -> dict[str, int]:
         """Host memory of this pool, in bytes and counts.
@@ -313,7 +316,8 @@ class HostBufferPool:
 
     @property
     def allocations(self) -> int:
-        """Host blocks allocated so far (pool misses)."""
+        """Host blocks allocated so far (pool misses): pinned, each one ``cudaHostAlloc``
+        (NOTE [Pinned sizes as torch holds them])."""
         return self._num_alloc
 
     # ------------------------------------------------------------- blocks
@@ -321,16 +325,18 @@ class HostBufferPool:
     def _new_block(self, nbytes: int) -> _Block | None:
         """A new block for ``nbytes`` (no free one is large enough), or None where the
         cap or the host refuses it."""
-        size = size_class(nbytes)
+        if self._threshold == -1:  # asked once, at the first block
+            self._threshold = self._backend.host_round_threshold()
+        size = held_size(size_class(nbytes), self._threshold)
         limits = [n for n in (self.max_bytes, self._host_full) if n is not None]
         if any(self._in_use + size > limit for limit in limits):
-            # Evicting every free block would not make room: refused before any is
-            # freed, so the blocks later tensors of the step reuse stay.
-            return None
-        # (in retain mode nothing is free to evict)
+            return None  # refused before evicting: what later tensors of the step reuse stays
+        freed = self._num_free  # (in retain mode nothing is free to evict)
         self._evict_for(size, int(RESERVE_RATIO * self._peak_requested))
         for limit in limits:
             self._evict_for(size, limit)
+        if self._num_free != freed:  # NOTE [Pinned sizes as torch holds them]
+            self._backend.empty_host_cache()
         try:
             data = self._backend.empty_host_bytes(size)
         except (RuntimeError, MemoryError) as error:  # NOTE [A host that says no]
@@ -346,16 +352,11 @@ class HostBufferPool:
         """Free unused blocks, largest first, until ``size`` more bytes fit ``limit``."""
         while self._free_sizes and self._reserved + size > limit:
             largest = self._free_sizes[-1]
-            self._take_free(largest)
+            blocks = self._free[largest]
+            blocks.pop()
+            if not blocks:
+                self._free_sizes.pop()
             self._count_freed(largest)
-
-    def _take_free(self, size: int) -> _Block:
-        """A free block of class ``size`` (which has one)."""
-        blocks = self._free[size]
-        block = blocks.pop()
-        if not blocks:
-            self._free_sizes.remove(size)
-        return block
 
     def _refuse(self, nbytes: int) -> None:
         self._stats.tensors_kept_by_host_cap += 1

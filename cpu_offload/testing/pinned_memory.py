@@ -8,8 +8,8 @@ NOTE [Modeled pinned memory]
     or ``torch._C._accelerator_setAllocatorSettings``) and the request is larger than
     it: such a request is held at its size, aligned to 512 bytes.  A freed block goes to
     the free list of its size and serves the next request of that size; memory goes back
-    to the OS only on ``empty_cache``.  Each block the cache could not serve is one
-    ``cudaHostAlloc`` (about 3 ms, synchronising).
+    to the OS only on ``empty_cache`` (:meth:`PinnedCache.empty_cache`).  Each block the
+    cache could not serve is one ``cudaHostAlloc`` (about 3 ms, synchronising).
 
     :class:`PinnedCache` counts what the allocator holds (``reserved``: every block made,
     free or in use), what is in use, and how many blocks it had to make
@@ -84,3 +84,8 @@ class PinnedCache:
         """A block of held ``size`` freed: cached for the next request of its size."""
         self.in_use -= size
         self.free[size] += 1
+
+    def empty_cache(self) -> None:
+        """The free blocks go back to the OS (``torch._C._accelerator_emptyHostCache``)."""
+        self.reserved -= sum(size * count for size, count in self.free.items())
+        self.free.clear()

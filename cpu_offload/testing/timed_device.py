@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..device.kernel_costs import ALIASES, kernel_cost, memory_bytes, storage_id, tensors_in
 from ..device.kernels import DeviceKernels
+from ..device.pinned_sizes import THRESHOLD_MB
 from ..device.profiles import DeviceProfile, get_profile
 from ..device.runtime import StreamBackend, override_host_backend
 from .clocks import Timeline
@@ -98,6 +99,17 @@ class TimedRuntime(SyncDebugMode):
 
     def current_stream(self, device: Any = None) -> TimedStream:
         return self.current
+
+    # -- the pinned allocator's setting, for this run only (NOTE [Pinned sizes as torch
+    # holds them]: on a GPU the host pool sets it for the process)
+    def exact_pinned_sizes(self) -> int | None:
+        pinned = self.memory.pinned
+        if pinned.threshold is None:
+            pinned.threshold = THRESHOLD_MB << 20
+        return pinned.threshold
+
+    def empty_pinned_cache(self) -> None:
+        self.memory.pinned.empty_cache()
 
     @contextlib.contextmanager
     def stream(self, stream: TimedStream | None) -> Iterator[None]:

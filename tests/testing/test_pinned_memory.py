@@ -47,3 +47,13 @@ def test_held_bytes_and_the_cache():
     cache.release(sizes[0])
     assert cache.allocate(7 * MIB) == 8 * MIB and cache.allocations == 2
     assert cache.reserved == cache.peak_reserved == 16 * MIB == cache.in_use
+
+
+def test_emptying_the_cache_gives_back_the_free_blocks():
+    cache = PinnedCache(MIB)
+    sizes = [cache.allocate(n) for n in (5 * MIB + 1, 6 * MIB)]
+    assert sizes == [5 * MIB + 512, 6 * MIB]
+    cache.release(sizes[0])
+    cache.empty_cache()
+    assert (cache.reserved, cache.in_use, cache.peak_reserved) == (6 * MIB, 6 * MIB, 11 * MIB + 512)
+    assert cache.allocate(5 * MIB + 1) == 5 * MIB + 512 and cache.allocations == 3
