@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ..log import logger
+
 __all__ = ["THRESHOLD_MB", "empty_pinned_cache", "exact_pinned_sizes", "held_size"]
 
 #: the rounding threshold the pool sets where none is in force, in MiB
@@ -84,6 +86,12 @@ def exact_pinned_sizes(runtime: Any) -> int | None:
     if threshold is None and setter is not None:
         setter(f"pinned_max_round_threshold_mb:{THRESHOLD_MB}")
         threshold = _threshold_in_force()
+        logger.info(
+            "host pool: set torch's pinned_max_round_threshold_mb to %d (it was unset), so "
+            "that pinned blocks over it are held at their size, not rounded to a power of "
+            "two; set it yourself (PYTORCH_ALLOC_CONF) to keep another value",
+            THRESHOLD_MB,
+        )
     return threshold
 
 
