@@ -137,6 +137,9 @@ class SlicedReload:
         issued: per slice, whether its copies were issued.
         events: per slice, its copies' event (None until issued, or none copied).
         waited: per slice, the stream keys that waited for its event.
+        allocated_on: per slice, the stream key current when it was allocated: a pop on
+            another stream hands its tensor to ``record_stream`` (NOTE [Allocator reuse
+            across streams] in testing/allocator_pools.py).
     """
 
     __slots__ = (
@@ -146,6 +149,7 @@ class SlicedReload:
         "issued",
         "events",
         "waited",
+        "allocated_on",
         "saves",
         "prefetch",
     )
@@ -173,6 +177,7 @@ class SlicedReload:
         self.issued = [False] * count
         self.events: list[Any] = [None] * count
         self.waited: list[set[object]] = [set() for _ in range(count)]
+        self.allocated_on: list[object] = [None] * count
 
     @classmethod
     def start(
@@ -206,6 +211,8 @@ class SlicedReload:
         with torch.no_grad():
             hosts = [cast(torch.Tensor, host[s]) for s in moving]
             targets = backend.empty_device_many([data.layouts[s] for s in moving], hosts)
+            if not backend.one_stream:
+                self.allocated_on[number] = backend.current_stream_key()
             if targets:
                 stream = layer.offload_stream
                 backend.wait_stream(stream, backend.current_stream())
@@ -235,11 +242,15 @@ class SlicedReload:
         if self.prefetch and following < len(self.slices) and not self.issued[following]:
             self.issue(data, layer, following)
         event = self.events[number]
-        if event is not None:
-            backend = layer.backend
-            key = None if backend.one_stream else backend.current_stream_key()
-            waited = self.waited[number]
-            if key not in waited:
-                backend.wait_event(backend.current_stream(), event)
-                waited.add(key)
-        return hand_out(data, layer, position)
+        if event is None:
+            return hand_out(data, layer, position)
+        backend = layer.backend
+        key = None if backend.one_stream else backend.current_stream_key()
+        waited = self.waited[number]
+        if key not in waited:
+            backend.wait_event(backend.current_stream(), event)
+            waited.add(key)
+        tensor = hand_out(data, layer, position)
+        if key != self.allocated_on[number]:  # its block is that stream's: reused after ours
+            backend.record_stream(tensor, backend.current_stream())
+        return tensor

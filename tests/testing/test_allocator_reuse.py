@@ -167,14 +167,15 @@ def test_the_installed_peers_run_unmodified_with_their_blocks_reused(peer):
     assert run.d2h_bytes > 0 and run.block_reuses > 0  # reuses happened, each checked
 
 
-def prefetched_on_compute_popped_on_another_stream() -> int:
-    """The manual controller reloads every layer on compute; backward runs on another
-    stream, so the reloaded tensors are read there; compute then allocates again."""
+def prefetched_on_compute_popped_on_another_stream(slice_bytes: int | None = None) -> int:
+    """The manual controller reloads every layer on compute (whole, or its first slice
+    with ``slice_bytes``); backward runs on another stream, so the reloaded tensors are
+    read there; compute then allocates again."""
     layers = [torch.nn.Linear(512, 512, device="meta") for _ in range(3)]
     x = torch.empty(1024, 512, device="meta", requires_grad=True)
     with timed_runtime(DEVICE) as run, modeled_cuda(run.live):
         ctx, sync_fn, controller = get_cpu_offload_context(
-            True, model_layers=3, manual_synchronization=True
+            True, model_layers=3, manual_synchronization=True, reload_slice_bytes=slice_bytes
         )
         h = x
         for i, layer in enumerate(layers):
@@ -195,8 +196,9 @@ def prefetched_on_compute_popped_on_another_stream() -> int:
     return run.block_reuses
 
 
-def test_a_reloaded_tensor_popped_on_another_stream_is_recorded_for_it(monkeypatch):
-    assert prefetched_on_compute_popped_on_another_stream() > 0
+@pytest.mark.parametrize("slice_bytes", [None, 2**20], ids=["whole", "sliced"])
+def test_a_reloaded_tensor_popped_on_another_stream_is_recorded_for_it(monkeypatch, slice_bytes):
+    assert prefetched_on_compute_popped_on_another_stream(slice_bytes) > 0
     monkeypatch.setattr(StreamBackend, "record_stream", lambda self, tensor, stream: None)
     with pytest.raises(StreamHazardError, match="allocated on compute, reuses the block"):
-        prefetched_on_compute_popped_on_another_stream()
+        prefetched_on_compute_popped_on_another_stream(slice_bytes)
