@@ -79,8 +79,9 @@ def exact_pinned_sizes(runtime: Any) -> int | None:
     own = getattr(runtime, "exact_pinned_sizes", None)
     if own is not None:
         return own()  # type: ignore[no-any-return]
-    if not isinstance(runtime, types.ModuleType):
-        return None
+    available = getattr(runtime, "is_available", None)
+    if not isinstance(runtime, types.ModuleType) or available is None or not available():
+        return None  # not a runtime that pins here: the process's setting is left alone
     threshold = _threshold_in_force()
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if threshold is None and setter is not None:

@@ -146,6 +146,9 @@ def _runtime_functions(runtime: TimedRuntime) -> dict[str, Any]:
         "synchronize": runtime.synchronize,
         "is_available": lambda: True,
         "is_current_stream_capturing": lambda: False,  # no CUDA graphs in the model yet
+        # the pinned allocator's setting and cache are the run's, never the process's
+        "exact_pinned_sizes": runtime.exact_pinned_sizes,
+        "empty_pinned_cache": runtime.empty_pinned_cache,
         "is_initialized": lambda: True,
         "_lazy_init": lambda: None,
         "device_count": lambda: 1,

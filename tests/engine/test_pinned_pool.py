@@ -93,6 +93,9 @@ def test_on_a_real_runtime_the_threshold_is_set_once_and_a_users_is_kept(monkeyp
     settings = [""]
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings[-1])
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append)
+    assert exact_pinned_sizes(torch.cuda) is None or torch.cuda.is_available()  # no GPU here
+    assert settings == [""]  # and nothing set: the process's setting is left alone
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU
     assert exact_pinned_sizes(torch.cuda) == MIB
     assert settings[1:] == ["pinned_max_round_threshold_mb:1"]
     settings[:] = ["pinned_max_round_threshold_mb:64"]
