@@ -63,16 +63,6 @@ def step(model: nn.Module, seed: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
-
-
 def run_both(container: str, style: str, order: str, backend: str):
     """Gradients of two steps without and with offload, and the handle."""
     reference = Decoder(container)

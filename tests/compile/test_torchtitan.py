@@ -17,16 +17,6 @@ from hosts import require
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
-
-
 def debug_model() -> torch.nn.Module:
     """torchtitan's Llama3 "debugmodel" (6 blocks, dim 256, in a ModuleDict) with SDPA."""
     require("torchtitan")

@@ -590,6 +590,19 @@ class SavesAfterRunning(torch.autograd.Function):
         return (None, *(t.grad for t in inputs))
 
 
+def through_reentrant_chunks(blocks: list, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` through ``blocks`` in two reentrant checkpoints (the first block, the rest):
+    torch's (``kind == "torch"``) or one that saves after running its layers, as
+    Megatron's does."""
+    for chunk in (blocks[:1], blocks[1:]):
+        run = functools.partial(functools.reduce, lambda h, block: block(h), chunk)
+        if kind == "torch":
+            x = checkpoint(run, x, use_reentrant=True)
+        else:
+            x = SavesAfterRunning.apply(run, x)
+    return x
+
+
 def hooks_inside_reentrant_chunks(kind: str) -> Callable[[Offload], list]:
     """Hooked layers inside reentrant checkpoints of chunks [0], [1, 2] (dropout in every
     layer): torch's, or one that saves after running its layers (Megatron's shape)."""
@@ -601,14 +614,7 @@ def hooks_inside_reentrant_chunks(kind: str) -> Callable[[Offload], list]:
             for _ in range(L)
         ]
         off.layers(blocks)
-        x = leaf(8, 4)
-        for chunk in (blocks[:1], blocks[1:]):
-            run = functools.partial(functools.reduce, lambda h, block: block(h), chunk)
-            if kind == "torch":
-                x = checkpoint(run, x, use_reentrant=True)
-            else:
-                x = SavesAfterRunning.apply(run, x)
-        x.sum().backward()
+        through_reentrant_chunks(blocks, leaf(8, 4), kind).sum().backward()
         return [p.grad for b in blocks for p in b.parameters()]
 
     return program
@@ -1123,14 +1129,7 @@ def budget_inside_reentrant_chunks(kind: str) -> Callable[[Offload], list]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # budgets nothing fits
             for _ in range(3):
-                x = leaf(8, 4)
-                for chunk in (blocks[:1], blocks[1:]):
-                    run = functools.partial(functools.reduce, lambda h, block: block(h), chunk)
-                    if kind == "torch":
-                        x = checkpoint(run, x, use_reentrant=True)
-                    else:
-                        x = SavesAfterRunning.apply(run, x)
-                x.sum().backward()
+                through_reentrant_chunks(blocks, leaf(8, 4), kind).sum().backward()
                 found += [p.grad.clone() for b in blocks for p in b.parameters()]
                 for block in blocks:
                     block.zero_grad(set_to_none=True)
