@@ -56,29 +56,27 @@ def check_slice_bytes(value: object, api: str) -> int | None:
     integer type) or a size string (``"64MiB"``, as amounts of memory are written)."""
     if value is None:
         return None
+    whole = integer(value)
     if isinstance(value, str):
         try:  # the string of a number is that number: bytes, as an int here is
             number = float(value)
         except ValueError:
-            value = parse_bytes(value, "reload_slice_bytes", api)
-        else:
-            value = int(number) if number.is_integer() else value
-    if isinstance(value, str):
-        raise ValueError(f"{api}: reload_slice_bytes={value!r} is not a whole number of bytes.")
-    elif (whole := integer(value)) is None:
+            number = parse_bytes(value, "reload_slice_bytes", api)
+        if not float(number).is_integer():
+            raise ValueError(f"{api}: reload_slice_bytes={value!r} is not a whole number of bytes.")
+        whole = int(number)
+    elif whole is None:
         raise TypeError(
             f"{api}: reload_slice_bytes must be None (reload each offloaded layer whole), "
             f"an int of bytes >= 1 or a size such as '64MiB', got {type(value).__name__} "
             f"{value!r}."
         )
-    else:
-        value = whole
-    if value < 1:
+    if whole < 1:
         raise ValueError(
             f"{api}: reload_slice_bytes must be >= 1 (bytes per slice of a reloaded layer), "
-            f"got {value}; pass None to reload each offloaded layer whole."
+            f"got {whole}; pass None to reload each offloaded layer whole."
         )
-    return value
+    return whole
 
 
 def check_on_demand(
