@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import MLPBlock, assert_bit_identical, offload_in_order
+from helpers import MLPBlock, assert_bit_identical, forward, offload_in_order
 from torch import nn
 
 from cpu_offload import offload_layers
@@ -147,14 +147,7 @@ def test_the_context_around_fullgraph_blocks():
     def run(ctx=None, sync_fn=None) -> list[torch.Tensor]:
         reference.zero_grad(set_to_none=True)
         h = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
-        for block in blocks:
-            if ctx is None:
-                h = block(h)
-                continue
-            with ctx:
-                h = block(h)
-            h = sync_fn(h)
-        h.square().mean().backward()
+        forward(blocks, h, ctx, sync_fn).square().mean().backward()
         return [p.grad.clone() for p in reference.parameters() if p.grad is not None]
 
     expected = run()

@@ -11,6 +11,7 @@ import gc
 
 import pytest
 import torch
+from helpers import forward
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from cpu_offload import LayerState, get_cpu_offload_context
@@ -156,14 +157,7 @@ def split_with_a_layer_without_weights(offload: bool):
     if offload:
         ctx, sync_fn = get_cpu_offload_context(True, 2, L, min_offload_numel=0)
     x = torch.randn(8, WIDTH, requires_grad=True)
-    h = x
-    for block in blocks:
-        if ctx is None:
-            h = block(h)
-            continue
-        with ctx:
-            h = block(h)
-        h = sync_fn(h)
+    h = forward(blocks, x, ctx, sync_fn)
     parameters = [*first.parameters(), *last.parameters()]
     _, groups = stage_backward_input([h.square().sum()], None, [x], iter(parameters))
     stage_backward_weight(iter(parameters), groups)
