@@ -61,6 +61,8 @@ NOTE [Modeled CUDA graphs]
     eager one at replay; a forked stream that joined but issued no work needs no join;
     the stream-order checks of NOTE [Allocator reuse across streams] see the capture's
     Python, not the replays; a graph replayed inside another capture is not modeled.
+    In the data mode a replay also computes (NOTE [Data-mode replay] in
+    cuda_graph_api.py).
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ class TimedRuntime(SyncDebugMode):
         # CUDA graphs (NOTE [Modeled CUDA graphs]): torch.cuda.CUDAGraph and graph
         self.CUDAGraph, self.graph = graph_api(self)
         self.graph_pools: dict[tuple[int, int], GraphPool] = {}
+        self.replaying = False  # a data-mode replay re-executes its operators uncharged
 
     def _stream(self, name: str, is_compute: bool, inner: Any) -> TimedStream:
         stream = TimedStream(self, self.timeline.new_stream(name, is_compute), inner)
@@ -279,6 +280,8 @@ class OpTiming(TorchDispatchMode):
         strict = runtime.strict
         if (strict is not None and strict.suspend_depth) or func.is_view or func in ALIASES:
             return func(*args, **kwargs)  # the simulator's own copies; metadata only
+        if runtime.replaying:  # a graph's replay: its record is charged (cuda_graph_api.py)
+            return func(*args, **kwargs)
         if func is aten.record_stream.default:
             runtime.memory.record_stream(args[0], args[1].stream_id)
             return None

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import modeled_device
 
-from cpu_offload.testing import timed_runtime
+from cpu_offload.testing import StreamHazardError, timed_runtime
 from cpu_offload.testing.cuda_graphs import CaptureError
 from cpu_offload.testing.modeled_cuda import modeled_cuda
 
@@ -311,3 +311,69 @@ def test_make_graphed_callables_runs_torchs_own_code_on_the_model():
     assert steps[1] == pytest.approx(eager.compute_s, rel=0.02)
     assert held[1] == held[2]  # steady state: nothing new allocated
     assert all(p.grad is not None and p.grad.shape == p.shape for p in module.parameters())
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+
+
+def captured_step(live, model, static_x, host, join_before_reload=True):
+    """A training step, its first layer's output through pinned host memory on a copy
+    stream, captured on a side stream; returns the graph."""
+    side, copy = live.Stream(), live.Stream()
+    g = live.CUDAGraph()
+    with live.graph(g, stream=side):
+        for parameter in model.parameters():
+            parameter.grad.zero_()
+        h = model[0](static_x)
+        copy.wait_stream(side)
+        with live.stream(copy):
+            host.copy_(h, non_blocking=True)
+        if join_before_reload:
+            side.wait_stream(copy)
+        back = torch.empty_like(h)
+        back.copy_(host, non_blocking=True)
+        side.wait_stream(copy)
+        model[2](model[1](back)).square().sum().backward()
+    return g, h
+
+
+def test_a_captured_training_step_replayed_in_the_data_mode_computes_what_eager_does():
+    model = mlp()
+    xs = [torch.randn(8, 32) for _ in range(3)]
+    expected = []
+    for x in xs:
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        expected.append([p.grad.clone() for p in model.parameters()])
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    with timed_runtime(DEVICE, data=True) as run:
+        live = run.live
+        static_x, host = torch.zeros(8, 32), torch.full((8, 64), 7.0, pin_memory=True)
+        g, h = captured_step(live, model, static_x, host)
+        # capture ran nothing: older memory as it was, its own tensors poison
+        assert h.isnan().all() and (host == 7.0).all()
+        assert all(not p.grad.any() for p in model.parameters())
+        assert live.timeline.copied["d2h"] == 0
+        got = []
+        for x in xs:
+            static_x.copy_(x)
+            g.replay()
+            got.append([p.grad.clone() for p in model.parameters()])
+        moved = live.timeline.copied["d2h"]
+    assert moved == 3 * 8 * 64 * 4
+    for want, have in zip(expected, got):
+        assert all(torch.equal(a, b) for a, b in zip(want, have))
+
+
+def test_a_missing_wait_inside_the_graph_is_a_hazard_at_replay():
+    model = mlp()
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    with timed_runtime(DEVICE, data=True) as run:
+        static_x, host = torch.randn(8, 32), torch.empty(8, 64, pin_memory=True)
+        g, _ = captured_step(run.live, model, static_x, host, join_before_reload=False)
+        with pytest.raises(StreamHazardError, match="queued copy into it had not run"):
+            g.replay()
