@@ -103,15 +103,17 @@ class _Recorder(TorchDispatchMode):
         index = capture.streams.get(self.runtime.current.clock)
         if index is None or strict.suspend_depth or func.is_view or func in ALIASES:
             return func(*args, **kwargs)
+        saved = {}  # what it writes of older memory, as it was
         for tensor in _written(func, args, kwargs):
             key = storage_id(tensor)
             if key is not None and key not in self.made and key not in self.saved:
                 with strict.suspended():
                     storage = tensor.untyped_storage()
-                    self.saved[key] = (storage, storage.clone())
+                    saved[key] = (storage, storage.clone())
         before = len(capture.nodes)
         out = func(*args, **kwargs)
-        if len(capture.nodes) > before:  # device work: a kernel or a copy
+        if len(capture.nodes) > before:  # device work (a kernel or a copy), not host work
+            self.saved.update(saved)
             capture.nodes.append(("op", index, func, args, kwargs, out))
             given = {storage_id(t) for t in tensors_in(kwargs, tensors_in(args))}
             self.made.update(k for k in map(storage_id, tensors_in(out)) if k not in given)

@@ -353,6 +353,10 @@ def test_a_captured_training_step_replayed_in_the_data_mode_computes_what_eager_
         live = run.live
         static_x, host = torch.zeros(8, 32), torch.full((8, 64), 7.0, pin_memory=True)
         g, h = captured_step(live, model, static_x, host)
+        with live.graph(live.CUDAGraph(), stream=live.Stream()):
+            host.add_(1.0)  # host work runs at capture, as on a device, and stays
+        assert (host == 8.0).all()
+        host.sub_(1.0)
         # capture ran nothing: older memory as it was, its own tensors poison
         assert h.isnan().all() and (host == 7.0).all()
         assert all(not p.grad.any() for p in model.parameters())
@@ -377,3 +381,18 @@ def test_a_missing_wait_inside_the_graph_is_a_hazard_at_replay():
         g, _ = captured_step(run.live, model, static_x, host, join_before_reload=False)
         with pytest.raises(StreamHazardError, match="queued copy into it had not run"):
             g.replay()
+
+
+def test_the_offloaders_default_mode_sees_the_capture_and_refuses_it():
+    from cpu_offload import get_cpu_offload_context
+    from cpu_offload.engine.layer_context import CAPTURE_REFUSED
+    from cpu_offload.errors import CpuOffloadError
+
+    x, w = inputs()
+    with timed_runtime(DEVICE) as run:
+        ctx, _ = get_cpu_offload_context(True, 1, 2, min_offload_numel=0)
+        with pytest.raises(CpuOffloadError) as raised:
+            with run.live.graph(run.live.CUDAGraph(), stream=run.live.Stream()):
+                with ctx:
+                    x @ w
+    assert str(raised.value) == CAPTURE_REFUSED
