@@ -30,7 +30,10 @@ NOTE [Modeled CUDA graphs]
       wait for nothing captured (an event or a stream outside the capture); a device
       synchronisation and ``.item()`` on a capturing stream are refused in every mode.
       ``query`` or ``synchronize`` of an event recorded in the capture is
-      ``cudaErrorCapturedEvent``;
+      ``cudaErrorCapturedEvent`` (an event last recorded in a capturing stream); so is,
+      in the model, any use of such an event outside its capture, a wait from eager
+      code or from another capture included (CUDA refuses those as well: pytorch#192000;
+      the model gives them this kind);
     - a copy between pageable host memory and the device on a capturing stream: the
       ``RuntimeError`` of PyTorch's check (pytorch#172156, since 2.11; the copy is not
       issued and the capture stays valid).  Pinned copies, and pinned allocation
@@ -252,7 +255,9 @@ class Capture:
         )
 
     def event_sync(self, what: str, event: TimedEvent) -> None:
-        if event.captured is not None and event.captured[0] is self:
+        if event.captured is not None and event.captured[0] is not self:
+            raise event.captured[0].used_after(what)
+        if event.captured is not None:
             raise self.refuse(
                 CAPTURED_EVENT,
                 f"{what} of an event recorded in the capture: it marks a point of the "
@@ -261,6 +266,19 @@ class Capture:
             )
         stream = event.stream
         self.sync(what, None if stream is None else stream.clock)
+
+    def used_after(self, what: str) -> CaptureError:
+        """``what`` (a wait, ``synchronize``, ``query``) of an event last recorded in this
+        capture, from outside it: the event is an edge of the graph, not a point of work."""
+        return CaptureError(CAPTURED_EVENT, self.outside(what))
+
+    def outside(self, what: str) -> str:
+        return (
+            f"{what} of an event last recorded during the capture on "
+            f"{self.origin.clock.name}, from outside that capture (eager code or another "
+            "capture): no work outside the graph marks it (pytorch#192000). Record the "
+            "event again outside the capture, or make it with Event(external=True)."
+        )
 
     def record(self, event: TimedEvent, clock: StreamClock) -> bool:
         """``event.record`` on ``clock``'s stream; False when the stream is not captured."""
@@ -281,6 +299,9 @@ class Capture:
         clock = stream.clock
         index = self.streams.get(clock)
         mine = event.captured is not None and event.captured[0] is self
+        if event.captured is not None and not mine:  # another capture's: this one fails
+            message = event.captured[0].outside(f"a wait by {clock.name}")
+            raise self.refuse(CAPTURED_EVENT, message)
         if index is None and not mine:
             return False
         if index is None:  # a fork: the stream joins the capture

@@ -144,6 +144,8 @@ class TimedRuntime(SyncDebugMode):
         if capture is not None and capture.wait(stream, event):
             self.order.wait(stream.clock, event.stamp)
             return
+        if event.captured is not None:  # recorded in a capture that has ended
+            raise event.captured[0].used_after(f"a wait by {stream.clock.name}")
         source = event.stream
         if source is not None and source is not stream:
             self.timeline.wait(stream.clock, event.time, f"wait for {source.clock.name}")

@@ -121,6 +121,8 @@ class TimedEvent:
     def synchronize(self) -> None:
         if self.runtime.timeline.capture is not None:
             self.runtime.timeline.capture.event_sync("event.synchronize()", self)
+        elif self.captured is not None:  # recorded in a capture that has ended
+            raise self.captured[0].used_after("event.synchronize()")
         self.runtime.host_wait(self.time, "event.synchronize()")
         self.runtime.order.host_saw(self.stamp)
         if self.inner is not None:
@@ -129,6 +131,8 @@ class TimedEvent:
     def query(self) -> bool:
         if self.runtime.timeline.capture is not None:
             self.runtime.timeline.capture.event_sync("event.query()", self)
+        elif self.captured is not None:  # recorded in a capture that has ended
+            raise self.captured[0].used_after("event.query()")
         return self.stream is None or self.time <= self.runtime.timeline.host
 
     elapsed_time = HostTimingEvent.elapsed_time  # milliseconds from this event to ``end``

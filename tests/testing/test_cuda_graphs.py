@@ -182,6 +182,29 @@ def test_an_events_synchronize_or_query_is_refused_and_a_captured_one_says_so():
             outside[0].synchronize()  # relaxed: it waits for nothing captured
 
 
+def test_an_event_recorded_in_a_capture_is_refused_outside_it_until_recorded_again():
+    x, w = inputs()
+    with timed_runtime(DEVICE) as run, modeled_cuda(run.live):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            x @ w
+            done = torch.cuda.current_stream().record_event()
+        for use in (
+            lambda: torch.cuda.current_stream().wait_event(done),
+            done.synchronize,
+            done.query,
+        ):
+            with pytest.raises(CaptureError, match="from outside that capture") as caught:
+                use()
+            assert caught.value.kind == "cudaErrorCapturedEvent"
+            assert "Event(external=True)" in str(caught.value)
+        with pytest.raises(CaptureError) as caught:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                torch.cuda.current_stream().wait_event(done)  # another capture's
+        assert caught.value.__context__.kind == "cudaErrorCapturedEvent"
+        done.record()  # outside: an ordinary event again
+        done.synchronize()
+
+
 def test_a_copy_with_pageable_host_memory_is_refused_as_pytorch_refuses_it():
     def body(x, w):
         pageable = torch.empty(H, H, device="cpu")
