@@ -13,10 +13,12 @@ NOTE [A captured step]
       graph's pool, and handed to no other stream (:class:`CaptureBackend` ignores
       ``record_stream`` while capturing; backward runs on the capturing stream).
     * The copy stream forks from the capturing stream (it waits for an event recorded
-      there before each copy, as in eager) and joins it: the capturing stream waits
-      for every copy in flight at the end of each captured backward call (the step's
-      backward, or a layer's in ``"layer"`` graphs) and, in ``"layer"`` graphs, at the
-      end of each layer's forward.
+      there before each copy, as in eager) and joins it, as in eager: the capturing
+      stream waits for a layer's offload before its device memory is released, for its
+      reload at its first unpack, and for every copy in flight when backward releases
+      the layer.  In ``"layer"`` graphs a layer's offload is released at the end of its
+      own forward and its reload issued as its own backward starts, so both are joined
+      in the layer's graphs; in ``"step"`` graphs, by the end of the step's backward.
     * Nothing but the captured work decides per step: no host synchronisation, no
       allocation after the warm-up, the schedule fixed by the layer indices.
 
@@ -37,7 +39,7 @@ import torch
 
 from ..device.backend import DeviceBackend, Stream
 from ..engine.forward_pass import ForwardPass
-from ..engine.synchronizer import DefaultOffloadSynchronizer, PassRef
+from ..engine.synchronizer import DefaultOffloadSynchronizer
 from ..engine.transitions import LayerState
 from ..report.graph_report import GraphStepReport, GraphSteps
 from ..report.step_record import StepRecord
@@ -97,6 +99,7 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
         self._last_captured = False  # the last published step was captured
         self._eager_since_capture = False
         self._captured_pass: int | None = None  # the index of the pass captured last
+        self._captured_allocations = 0  # its host allocations so far
 
     def describe(self) -> str:
         return f"{super().describe()}; cuda_graph={self.cuda_graph!r}"
@@ -138,33 +141,25 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
             return
         super()._on_backward(forward_pass, layer)
 
-    def finish_part_of_bwd(self, forward_pass: PassRef = None) -> None:
-        forward_pass = self.resolve_pass(forward_pass)
-        if self.backend.is_capturing():
-            # Join: no copy of this graph is left for another to finish.
-            for layer in range(forward_pass.model_layers):
-                state = forward_pass.made_state(layer)
-                if state is not None:
-                    state.join_copies()
-        super().finish_part_of_bwd(forward_pass)
-
     # ------------------------------------------------------------ steps
 
     def end_step(self, record: StepRecord) -> None:
         steps = self.graph_steps
         if self.backend.is_capturing():
-            if record.forward_pass != self._captured_pass:  # ("layer": one per layer)
-                steps.captures += 1
-                self._captured_pass = record.forward_pass
+            again = record.forward_pass == self._captured_pass  # "layer": one per layer
+            steps.captures += not again
+            self._captured_pass = record.forward_pass
             self._last_captured, self._eager_since_capture = True, False
-        elif steps.captures and saved_nothing(record):
+            super().end_step(record)
+            if again:  # the pass's host allocations since its first captured backward
+                record.host_allocations += self._captured_allocations
+            self._captured_allocations = record.host_allocations
+            return
+        if steps.captures and saved_nothing(record):
             self._eager_since_capture = False  # a forward through graphed layers: a replay
             return
-        elif not steps.captures:
-            steps.warmup_steps += 1
-            self._last_captured = False
-        else:
-            self._last_captured = False
+        steps.warmup_steps += not steps.captures
+        self._last_captured = False
         super().end_step(record)
 
     def report(self, policy: Sequence[str] | None = None) -> StepReport:
