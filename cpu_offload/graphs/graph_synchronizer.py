@@ -39,13 +39,15 @@ import torch
 
 from ..device.backend import DeviceBackend, Stream
 from ..engine.forward_pass import ForwardPass
+from ..engine.host_buffers import HostBufferPool
 from ..engine.synchronizer import DefaultOffloadSynchronizer
 from ..engine.transitions import LayerState
+from ..errors import CpuOffloadError
 from ..report.graph_report import GraphStepReport, GraphSteps
 from ..report.step_record import StepRecord
 from ..report.step_report import StepReport
 
-__all__ = ["CaptureBackend", "GraphSynchronizer"]
+__all__ = ["CaptureBackend", "GraphHostPool", "GraphSynchronizer"]
 
 
 class CaptureBackend:
@@ -65,6 +67,26 @@ class CaptureBackend:
 
     def __repr__(self) -> str:
         return f"CaptureBackend({self.wrapped!r})"
+
+
+class GraphHostPool(HostBufferPool):
+    """The host pool of a context under CUDA graphs: each layer keeps its buffers
+    (``retain``), and keeps them: a captured graph copies into them at every replay, so
+    once a step was captured :meth:`empty_cache` refuses to free them (freed pinned
+    blocks go back to torch's cache, which hands them to others)."""
+
+    #: a step was captured: a graph may copy into the buffers at any replay
+    captured = False
+
+    def empty_cache(self) -> None:
+        if self.captured:
+            raise CpuOffloadError(
+                "cpu_offload: host_buffers.empty_cache() would free the pinned buffers that "
+                "a captured CUDA graph copies into at every replay (cuda_graph=...), and "
+                "torch would hand them to other tensors. Drop the graphs and the offload "
+                "context together instead; their buffers go with the context."
+            )
+        super().empty_cache()
 
 
 def saved_nothing(record: StepRecord) -> bool:
@@ -92,7 +114,8 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
     def __init__(self, *args: Any, scope: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cuda_graph = scope
-        self.host_buffers.retain = True  # fixed addresses, per layer, for the graph's life
+        pool = self.host_buffers  # fixed addresses, per layer, for the graphs' life
+        self.host_buffers = GraphHostPool(self.backend, True, pool.max_bytes, self.stats)
         self.backend = cast(DeviceBackend, CaptureBackend(self.backend))
         self.graph_steps = GraphSteps()
         self._captured: weakref.WeakSet[ForwardPass] = weakref.WeakSet()
@@ -150,6 +173,7 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
             steps.captures += not again
             self._captured_pass = record.forward_pass
             self._last_captured, self._eager_since_capture = True, False
+            cast(GraphHostPool, self.host_buffers).captured = True
             super().end_step(record)
             if again:  # the pass's host allocations since its first captured backward
                 record.host_allocations += self._captured_allocations

@@ -299,3 +299,21 @@ def test_options_that_decide_per_step_are_refused_with_cuda_graph(options, words
 def test_cuda_graph_takes_a_bool_step_or_layer(value):
     with pytest.raises(TypeError, match="cuda_graph must be False, True"):
         get_cpu_offload_context(True, 1, L, cuda_graph=value)
+
+
+def test_the_buffers_a_graph_copies_into_are_not_freed_after_a_capture():
+    with strict_streams() as sim:
+        rules = CaptureRules(sim)
+        ctx, sync = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=True)
+        pool = ctx.offload_synchronizer.host_buffers
+        layers, x = make_layers(), inputs()
+        step(layers, x, ctx, sync)
+        pool.empty_cache()  # before any capture: freed, as without graphs
+        assert pool.stats()["reserved_bytes"] == 0
+        step(layers, x, ctx, sync)
+        with rules.capture():
+            step(layers, x, ctx, sync)
+        reserved = pool.stats()["reserved_bytes"]
+        with pytest.raises(CpuOffloadError, match="a captured CUDA graph copies into"):
+            pool.empty_cache()
+    assert pool.stats()["reserved_bytes"] == reserved > 0
