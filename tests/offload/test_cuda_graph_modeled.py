@@ -194,3 +194,39 @@ def test_the_default_mode_under_capture_says_to_pass_cuda_graph():
             torch.cuda.make_graphed_callables(callables, samples)
     assert str(raised.value) == CAPTURE_REFUSED
     assert "Pass cuda_graph=True" in str(raised.value)
+
+
+def policy_replays(policy: list[str], cuda_graph: bool) -> tuple[list, Any]:
+    """An eager warm-up step of ``offload_layers(policy=...)``, then three steps: eager, or
+    replays of the next step captured; what each moved, and the handle's report."""
+    with timed_runtime("h100") as run, modeled_cuda(run.live):
+        layers, x = blocks(), activations()
+        handle = offload_layers(layers, policy=policy, min_offload_numel=0, cuda_graph=cuda_graph)
+
+        def training_step() -> None:
+            y = x
+            for layer in layers:
+                y = layer(y)
+            y.sum().backward()
+
+        training_step()
+        replay = training_step
+        if cuda_graph:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                training_step()
+            replay = graph.replay
+        moved = replays(run.live, replay)
+        torch.cuda.synchronize()
+        handle.remove()
+    return moved, handle.report()
+
+
+def test_a_policy_with_checkpoints_captured_as_a_step_replays_what_eager_moves():
+    """Checkpointed layers recompute inside the captured backward (their forward there
+    passes through the context), so the replay repeats the recompute and the copies."""
+    policy = ["checkpoint+offload", "checkpoint", "offload", "keep"]
+    eager, _ = policy_replays(policy, False)
+    graphed, report = policy_replays(policy, True)
+    assert graphed == eager and eager[0][0] > 0
+    assert report.cuda_graph.replay and report.recomputed_layers == [0, 1]
