@@ -144,7 +144,8 @@ def write_plot(plan: Plan, path: str) -> str | None:
     overhead = memory.twinx()
     overhead.plot(ks, [100 * r.overhead for r in plan.rows], "s--", color="C1")
     overhead.set_ylabel("predicted overhead, %", color="C1")
-    memory.set_title(f"{plan.device.name}, L = {plan.num_layers} (predicted)")
+    captured = ", one CUDA graph" if plan.cuda_graph else ""
+    memory.set_title(f"{plan.device.name}, L = {plan.num_layers}{captured} (predicted)")
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
