@@ -204,6 +204,13 @@ class LayerTransitions:
         data.reloaded, data.unique = [], []
         self.slices = None
 
+    def join_copies(self) -> None:
+        """The compute stream waits for the layer's copies in flight (a captured graph's
+        end: NOTE [Graph shapes] in graphs/graph_options.py)."""
+        data = self._data
+        if data is not None:
+            data.wait_for_copies(self)
+
     def _new_cycle(self, lease: Lease) -> LayerData:
         """The first push of a tensor to copy in this cycle: its data, which goes when
         ``lease`` does (the handles hold it)."""
