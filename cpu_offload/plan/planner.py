@@ -59,7 +59,13 @@ MAX_LAYERS = 512
 #   the step's activations need is ``peak_bytes`` at every point of training (the
 #   optimizer step and whatever runs outside the graph come on top of it), and the
 #   host's is ``host_bytes_per_rank``, never shared with other work; the plan's JSON
-#   says so per row (``graph_pool_bytes``, ``graph_host_bytes``).
+#   says so per row (``graph_pool_bytes``, ``graph_host_bytes``).  As eagerly, the
+#   figure is the saved activations: the pool also holds the step's temporaries, and
+#   the parameters' gradients where the backward allocates them inside the graph.
+#
+# Checked against the real offload code captured whole (``cuda_graph=True``) and
+# replayed on the modeled H100 (tests/plan/test_cuda_graph_replay.py): each replay's
+# time, the bytes it moves, and the peak counted at the layer boundaries.
 #
 # Refused: a pipeline stage (``--pipeline-stages``), whose step runs its schedule's
 # actions from Python, micro-batch by micro-batch, and whose stage model prices that
