@@ -45,7 +45,7 @@ from .layers import LayerSpec
 from .module_search import ModuleSearch
 from .node import Node
 from .pipeline import PipelinePlan, gradient_accumulation_s, plan_pipeline
-from .planner import plan_offload
+from .planner import plan_offload, replay_profile
 from .schedule_model import LayerCosts
 
 __all__ = [  # the command's functions, importable from here as before the split
@@ -110,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.per_module and budget is not None:
         measure = dict(kwargs=spec.kwargs, min_offload_numel=args.min_offload_numel)
         measure |= dict(attention=args.attention, description=spec.description)
-        search = ModuleSearch(spec.make_layer, spec.inputs, num_layers, device, **measure)
+        timed = replay_profile(device) if args.cuda_graph else device
+        search = ModuleSearch(spec.make_layer, spec.inputs, num_layers, timed, **measure)
         per_module = search.choose(budget)
         print(per_module.summary())
     try:
@@ -141,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overhead_budget=args.overhead,
         memory_budget=stage_budget,
         host_cap=node.cap_per_rank,
+        cuda_graph=args.cuda_graph,
     )
     print_plan(plan, spec.description, node)
     stages = plan_stages(args, spec, profile, device, num_layers) if args.pipeline_stages else None

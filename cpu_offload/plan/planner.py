@@ -2,13 +2,14 @@
 
 :func:`plan_offload` runs the event model (``schedule_model.py``) of the default schedule
 for every k of ``L`` layers on a device profile, and, with a memory budget, the policy
-search (``policy_search.py``).
+search (``policy_search.py``); with ``cuda_graph=True``, for a step captured in one CUDA
+graph and replayed (NOTE [Planning a captured step]).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..device.profiles import DeviceProfile, get_profile
 from ..engine.host_buffers import pool_reserve
@@ -16,11 +17,74 @@ from .census import LayerProfile
 from .policy_search import PolicyPlan, choose_policy
 from .schedule_model import LayerCosts, PlanRow, first_k, simulate_policy
 
-__all__ = ["MAX_LAYERS", "Plan", "plan_offload"]
+__all__ = ["MAX_LAYERS", "Plan", "graph_error", "plan_offload", "replay_profile"]
 
 #: the most layers a plan takes: well above any model's (the largest have about 130), and
 #: a table of every k that stays within seconds (it runs the model once per k: L^2 steps)
 MAX_LAYERS = 512
+
+
+# NOTE [Planning a captured step]
+# With ``cuda_graph=True`` (``python -m cpu_offload.plan --cuda-graph``) the plan is for a
+# whole training step, forward and backward of the L layers, captured once in one CUDA
+# graph and replayed (the shape ``offload_layers(..., cuda_graph=True)`` captures).  In
+# the event model's terms, what a replay changes:
+#
+# - Time: the eager model's one host term goes.  A layer takes its kernels' device time
+#   or, where that is shorter, the host's time to issue them (``host_issue_s`` per
+#   kernel: a launch-bound layer; ``DeviceProfile.compute_seconds``).  A replay issues
+#   the whole step in one launch, so a layer takes its device time alone: the layers
+#   are timed on :func:`replay_profile`, the profile with ``host_issue_s = 0``.  The
+#   offloader's Python (its hooks, per tensor and per layer) and the issue of each copy
+#   do not run at replay either; the eager model does not price them (they run while
+#   the device is busy, or inside a launch-bound layer's host time), so nothing else is
+#   taken off.  What stays: every kernel and copy, their device times (``launch_s`` per
+#   kernel is kept: a graph's kernels start closer together, and the profiles have no
+#   figure for how much, so the captured step errs long), the copies at the link's
+#   bandwidth and the waits the schedule places.  A faster compute stream hides less
+#   behind it: a launch-bound stack's copies are exposed under a graph where they were
+#   hidden eagerly.  One replay costs the host one launch (``host_issue_s``:
+#   :attr:`Plan.graph_launch_s`), issued before the device starts, as the eager step's
+#   first kernel is; neither step time counts it.
+# - Memory: a captured step allocates from the graph's private pool, which holds what
+#   it served at the capture's peak for the graph's life; the offloader's pinned host
+#   buffers are allocated before the capture, one set per offloaded layer, and stay
+#   lent to their layer (the pool's ``retain`` mode: fixed addresses).  Their figures
+#   are the eager step's peaks: the reload buffers live as long as eagerly (they are
+#   counted in ``peak_bytes``), and with the default schedule every offloaded layer's
+#   copy is on the host at the end of the forward, so the host already holds all the
+#   step moves (with the pool's size classes: ``pool_reserve``).  What changes is how
+#   long they are held: for the graph's life, between replays too, where an eager
+#   step's activations and buffers go back to the allocators.  The device memory
+#   the step's activations need is ``peak_bytes`` at every point of training (the
+#   optimizer step and whatever runs outside the graph come on top of it), and the
+#   host's is ``host_bytes_per_rank``, never shared with other work; the plan's JSON
+#   says so per row (``graph_pool_bytes``, ``graph_host_bytes``).  As eagerly, the
+#   figure is the saved activations: the pool also holds the step's temporaries, and
+#   the parameters' gradients where the backward allocates them inside the graph.
+#
+# Checked against the real offload code captured whole (``cuda_graph=True``) and
+# replayed on the modeled H100 (tests/plan/test_cuda_graph_replay.py): each replay's
+# time, the bytes it moves, and the peak counted at the layer boundaries.
+#
+# Refused: a pipeline stage (``--pipeline-stages``), whose step runs its schedule's
+# actions from Python, micro-batch by micro-batch, and whose stage model prices that
+# eager order; and a device that is not CUDA (:func:`graph_error`).
+def replay_profile(profile: DeviceProfile) -> DeviceProfile:
+    """The profile a replayed CUDA graph's layers are timed on: no host issue time per
+    kernel (NOTE [Planning a captured step])."""
+    return replace(profile, host_issue_s=0.0)
+
+
+def graph_error(profile: DeviceProfile) -> str | None:
+    """Why a step on ``profile`` cannot be planned as a captured CUDA graph, or None."""
+    if profile.runtime == "cuda":
+        return None
+    return (
+        f"a CUDA graph needs a CUDA device; {profile.name} runs the {profile.runtime!r} "
+        "runtime, whose graphs the planner does not price: pass a CUDA profile (h100, "
+        "h200, a100, gh200) or plan it without a graph"
+    )
 
 
 @dataclass
@@ -37,6 +101,8 @@ class Plan:
         policy: with a memory budget, the per-layer policy chosen for it (keep,
             offload, checkpoint, checkpoint+offload; see :func:`choose_policy`).
         host_cap: the host memory each rank may hold (``max_host_bytes``), or None.
+        cuda_graph: the plan is for a step captured in one CUDA graph and replayed
+            (NOTE [Planning a captured step]).
     """
 
     layer: LayerProfile
@@ -47,6 +113,13 @@ class Plan:
     memory_budget: int | None
     policy: PolicyPlan | None = None
     host_cap: int | None = None
+    cuda_graph: bool = False
+
+    @property
+    def graph_launch_s(self) -> float:
+        """Host time of one replay's launch (one issue of the profile), with
+        :attr:`cuda_graph`; it precedes the device's work and is not in ``step_s``."""
+        return self.device.host_issue_s
 
     def host_fits(self, row: PlanRow) -> bool:
         """Whether one rank's host memory for ``row`` (what it moves per step, with the
@@ -97,6 +170,7 @@ def plan_offload(
     overhead_budget: float = 0.02,
     memory_budget: int | None = None,
     host_cap: int | None = None,
+    cuda_graph: bool = False,
 ) -> Plan:
     """Predict memory and time of offloading k of ``num_layers`` copies of ``layer``.
 
@@ -111,6 +185,9 @@ def plan_offload(
             ``plan.policy`` is the fastest per-layer policy that fits it.
         host_cap: bytes of host memory one rank may hold (``max_host_bytes``), or None;
             with a memory budget the policy fits it too (NOTE [Plans under a host cap]).
+        cuda_graph: plan a step captured in one CUDA graph and replayed: no host issue
+            time in its layers, its memory held for the graph's life (NOTE [Planning a
+            captured step]); a CUDA device only (ValueError otherwise).
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(f"plan_offload: num_layers must be an int, got {num_layers!r}.")
@@ -120,7 +197,13 @@ def plan_offload(
             f"runs its model once per k, L^2 steps; {MAX_LAYERS} is above any model's depth)."
         )
     profile = get_profile(device)
-    costs = LayerCosts.of(layer, profile)
+    timed = profile
+    if cuda_graph:
+        error = graph_error(profile)
+        if error:
+            raise ValueError(f"plan_offload: cuda_graph=True: {error}.")
+        timed = replay_profile(profile)
+    costs = LayerCosts.of(layer, timed)
     rows = [
         simulate_policy(first_k(num_layers, k), costs, profile.d2h, profile.h2d)
         for k in range(num_layers)
@@ -128,6 +211,16 @@ def plan_offload(
     policy = None
     if memory_budget is not None:
         policy = choose_policy(
-            layer, num_layers, profile, memory_budget=memory_budget, host_cap=host_cap
+            layer, num_layers, timed, memory_budget=memory_budget, host_cap=host_cap
         )
-    return Plan(layer, profile, num_layers, rows, overhead_budget, memory_budget, policy, host_cap)
+    return Plan(
+        layer,
+        profile,
+        num_layers,
+        rows,
+        overhead_budget,
+        memory_budget,
+        policy,
+        host_cap,
+        cuda_graph=bool(cuda_graph),
+    )

@@ -160,7 +160,7 @@ def test_every_flag_of_help_says_what_it_does_and_its_default():
     assert result.returncode == 0, result.stderr[-2000:]
     text = " ".join(result.stdout.split())  # argparse wraps lines
     flags = [a for a in parser()._actions if a.option_strings != ["-h", "--help"]]
-    assert len(flags) == 25
+    assert len(flags) == 26
     for action in flags:
         assert action.help and "default" in action.help, action.option_strings
         assert " ".join(action.help.replace("%%", "%").split()) in text, action.help

@@ -24,12 +24,13 @@ from ..census import ATTENTIONS
 from ..layers import LayerSpec, gpt_layer, hf_layer, preset_layer
 from ..node import host_memory_argument
 from ..pipeline.orders import SCHEDULES, shape_error
-from ..planner import MAX_LAYERS
+from ..planner import MAX_LAYERS, graph_error
 from ..policy_search import MAX_SEARCH_LAYERS
 
 __all__ = [
     "GPT_LAYERS",
     "PLAN_PRESETS",
+    "check_cuda_graph",
     "check_pipeline",
     "add_budget_flags",
     "add_layer_flags",
@@ -77,6 +78,13 @@ def parser() -> Parser:
     add_layer_flags(parser)
     add_budget_flags(parser)
     add_pipeline_flags(parser)
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="plan a training step captured in one CUDA graph and replayed "
+        "(offload_layers(..., cuda_graph=True)): no host issue time in the step, its "
+        "peak and pinned buffers held for the graph's life (default: off, an eager step)",
+    )
     parser.add_argument(
         "--json",
         metavar="PATH",
@@ -308,6 +316,23 @@ def check_pipeline(cli: Parser, args: argparse.Namespace, num_layers: int) -> in
     return num_layers // stages
 
 
+def check_cuda_graph(cli: Parser, args: argparse.Namespace, device: DeviceProfile) -> None:
+    """``--cuda-graph`` plans one stack's step captured whole, on a CUDA device (NOTE
+    [Planning a captured step] in planner.py)."""
+    if not args.cuda_graph:
+        return
+    if args.pipeline_stages:
+        cli.error(
+            "--cuda-graph: plans one stack's step captured whole in one graph; a pipeline "
+            "stage's step runs its schedule's actions from Python, micro-batch by "
+            "micro-batch, and --pipeline-stages prices that eager order: leave out one of "
+            "the two"
+        )
+    error = graph_error(device)
+    if error:
+        cli.error(f"--cuda-graph with --device {args.device}: {error}")
+
+
 def parse(
     argv: Sequence[str] | None,
 ) -> tuple[Parser, argparse.Namespace, DeviceProfile, LayerSpec, int]:
@@ -347,4 +372,5 @@ def parse(
             "--memory-budget GiB and leave out --modules"
         )
     num_layers = check_pipeline(cli, args, num_layers)
+    check_cuda_graph(cli, args, device)
     return cli, args, device, spec, num_layers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from ...policy.policy import CHECKPOINT, CHECKPOINT_OFFLOAD, KEEP, OFFLOAD
 from ..node import Node
@@ -34,7 +34,7 @@ def to_json(plan: Plan, description: str, node: Node | None = None) -> dict[str,
                 "offloaded_unpacks",
             ):
                 measured.pop(key)
-    return {
+    document: dict[str, object] = {
         "description": description,
         "layer": layer,
         "device": dataclasses.asdict(plan.device),
@@ -59,6 +59,28 @@ def to_json(plan: Plan, description: str, node: Node | None = None) -> dict[str,
         "smallest_fitting_k": plan.smallest_fitting_k,
         "needs_checkpointing": plan.needs_checkpointing,
     } | (policy_json(plan.policy) if plan.policy is not None else {})
+    return graph_json(plan, document, node) if plan.cuda_graph else document
+
+
+def graph_json(plan: Plan, document: dict[str, object], node: Node) -> dict[str, object]:
+    """The plan of a captured step (NOTE [Planning a captured step] in planner.py): its
+    ``cuda_graph`` and the launch of a replay, and per row (and for the policy) the
+    device bytes the graph's pool holds and the pinned host bytes it keeps, both for
+    the graph's life."""
+    rows = cast(list[dict[str, object]], document["rows"])
+    for entry, row in zip(rows, plan.rows):
+        entry |= held_json(row.peak_bytes, row.offloaded_bytes, node)
+    if plan.policy is not None:
+        predicted = cast(dict[str, object], document["policy_predicted"])
+        row = plan.policy.predicted
+        predicted |= held_json(row.peak_bytes, row.offloaded_bytes, node)
+    return document | {"cuda_graph": True, "graph_launch_s": plan.graph_launch_s}
+
+
+def held_json(peak_bytes: int, offloaded_bytes: int, node: Node) -> dict[str, int]:
+    """What a captured step holds between replays: ``graph_pool_bytes`` (its peak,
+    in the graph's private pool) and ``graph_host_bytes`` (its pinned buffers)."""
+    return {"graph_pool_bytes": peak_bytes, "graph_host_bytes": node.per_rank(offloaded_bytes)}
 
 
 def policy_json(choice: PolicyPlan) -> dict[str, object]:
@@ -122,7 +144,8 @@ def write_plot(plan: Plan, path: str) -> str | None:
     overhead = memory.twinx()
     overhead.plot(ks, [100 * r.overhead for r in plan.rows], "s--", color="C1")
     overhead.set_ylabel("predicted overhead, %", color="C1")
-    memory.set_title(f"{plan.device.name}, L = {plan.num_layers} (predicted)")
+    captured = ", one CUDA graph" if plan.cuda_graph else ""
+    memory.set_title(f"{plan.device.name}, L = {plan.num_layers}{captured} (predicted)")
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

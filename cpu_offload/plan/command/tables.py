@@ -50,6 +50,13 @@ def print_plan(plan: Plan, description: str, node: Node | None = None) -> None:
     )
     print(f"device: {device.name} ({device.source})")
     print(f"L = {plan.num_layers}; times are PREDICTED by the schedule model")
+    if plan.cuda_graph:
+        print(
+            "captured: each step replays one CUDA graph (--cuda-graph): no host issue time "
+            f"in the step (a replay's launch: {plan.graph_launch_s * 1e6:.0f} us of host, "
+            "before the device starts); peak GiB stays held in the graph's pool and host "
+            "GiB/rank stays pinned, for the graph's life"
+        )
     print(
         f"{'k':>3} {'offloaded/step GiB':>18} {'end of fwd GiB':>14} {'peak GiB':>9} "
         f"{'exposed ms':>10} {'step ms':>9} {'overhead':>9} {'host GiB/rank':>13} "
