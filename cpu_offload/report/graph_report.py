@@ -71,7 +71,11 @@ class GraphStepReport(StepReport):
         else:
             said = "eager" + (", before any capture" if not steps.captures else "")
         line = (
-            f"CUDA graph: this step was {said} ({steps.warmup_steps} warm-up steps before the "
-            f"first capture, {steps.captures} captured)"
+            f"CUDA graph: this step was {said} ({_count(steps.warmup_steps, 'warm-up step')} "
+            f"before the first capture, {_count(steps.captures, 'capture')})"
         )
         return f"{super().__str__()}\n{line}"
+
+
+def _count(number: int, what: str) -> str:
+    return f"{number} {what}" + ("" if number == 1 else "s")
