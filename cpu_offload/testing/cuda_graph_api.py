@@ -5,16 +5,20 @@ its record on the clocks (NOTE [Modeled CUDA graphs] in cuda_graphs.py).
 NOTE [Data-mode replay]
     With ``timed_runtime(data=True)`` a capture also records the operators its streams
     run (:class:`_Recorder`, a ``TorchDispatchMode`` above the timing): the operator and
-    the very tensors it was given and returned.  The capture runs them, to make its
-    tensors, with the strict simulator looking away; at ``capture_end`` it undoes what a
-    capture never does: memory that existed before it and that captured work wrote is
-    restored, and the tensors it made hold poison (NaN, or the byte ``0xA5``) until a
-    replay fills them.  A replay runs the operators again, in order, on the same tensor
-    objects, without autograd: an in-place operator writes its arguments again, a
-    fresh output is copied into the tensor the capture returned (views alias it), and
-    each runs on its stream of the strict simulator (the launch stream, or a branch),
-    whose events the captured records and waits drive, so every hazard of NOTE [Strict
-    stream simulation] is checked at each replay.  What it cannot do: random operators
+    the memory it was given and returned, held by aliases (``detach()``) of the tensors,
+    as a graph holds addresses: a program that later points a tensor object at other
+    memory (``t.data = ...``, as the offloader's version keepers do when a copy's source
+    is released) does not change what a replay reads or writes.  The capture runs
+    them, to make its tensors, with the strict simulator looking away; at
+    ``capture_end`` it undoes what a capture never does: memory that existed before it
+    and that captured work wrote is restored, and the tensors it made hold poison
+    (NaN, or the byte ``0xA5``) until a replay fills them.  A replay runs the
+    operators again, in order, on the same memory, without autograd: an in-place
+    operator writes its arguments again, a fresh output is copied into the tensor the
+    capture returned (views alias it), and each runs on its stream of the strict
+    simulator (the launch stream, or a branch), whose events the captured records and
+    waits drive, so every hazard of NOTE [Strict stream simulation] is checked at each
+    replay.  What it cannot do: random operators
     draw new numbers (CUDA's graph-safe generators advance an offset instead), the
     graph keeps every tensor its record uses (the pool's reserve then counts them all),
     and host work the capture ran (operators on host memory) is not replayed, as on a
@@ -30,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from ..device.backend import is_dense
 from ..device.kernel_costs import ALIASES, ALLOCATIONS, storage_id, tensors_in
@@ -114,7 +119,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if len(capture.nodes) > before:  # device work (a kernel or a copy), not host work
             self.saved.update(saved)
-            capture.nodes.append(("op", index, func, args, kwargs, out))
+            with strict.suspended():  # the memory, whatever the program does to its tensors
+                held = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs, out))
+            capture.nodes.append(("op", index, func, *held))
             given = {storage_id(t) for t in tensors_in(kwargs, tensors_in(args))}
             self.made.update(k for k in map(storage_id, tensors_in(out)) if k not in given)
         return out
