@@ -21,6 +21,12 @@ NOTE [A captured step]
       in the layer's graphs; in ``"step"`` graphs, by the end of the step's backward.
     * Nothing but the captured work decides per step: no host synchronisation, no
       allocation after the warm-up, the schedule fixed by the layer indices.
+    * An event recorded during a capture is a node of that graph: nothing outside it
+      may wait for it (CUDA refuses: cudaErrorCapturedEvent, pytorch#192000), and
+      nothing needs to, since a replay ends with its copies joined to the stream it
+      was launched on and a failed capture ran nothing.  So where the layer's data
+      goes outside the capture that copied it (its graph dropped, its pass freed after
+      a failed capture), the waits on such events are not made.
 
     Steps are told apart for the report (NOTE [What a replay reports] in
     report/graph_report.py): eager steps before the first capture are warm-up steps;
@@ -37,7 +43,7 @@ from typing import Any, cast
 
 import torch
 
-from ..device.backend import DeviceBackend, Stream
+from ..device.backend import DeviceBackend, Event, Stream
 from ..engine.forward_pass import ForwardPass
 from ..engine.host_buffers import HostBufferPool
 from ..engine.synchronizer import DefaultOffloadSynchronizer
@@ -52,11 +58,13 @@ __all__ = ["CaptureBackend", "GraphHostPool", "GraphSynchronizer"]
 
 class CaptureBackend:
     """A device backend as it is, but for ``record_stream``, which does nothing while the
-    current stream is captured (NOTE [A captured step]); every other call is the
-    device backend's."""
+    current stream is captured, and for waits outside a capture on events recorded in
+    one, which are not made (NOTE [A captured step]); every other call is the device
+    backend's."""
 
     def __init__(self, backend: DeviceBackend) -> None:
         self.wrapped = backend
+        self.captured_events: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.wrapped, name)
@@ -64,6 +72,17 @@ class CaptureBackend:
     def record_stream(self, tensor: Any, stream: Stream) -> None:
         if not self.wrapped.is_capturing():
             self.wrapped.record_stream(tensor, stream)
+
+    def record_event(self, stream: Stream | None = None) -> Event:
+        event = self.wrapped.record_event(stream)
+        if self.wrapped.is_capturing():
+            self.captured_events.add(event)
+        return event
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        if event in self.captured_events and not self.wrapped.is_capturing():
+            return  # a graph's node: nothing outside the graph can wait for it
+        self.wrapped.wait_event(stream, event)
 
     def __repr__(self) -> str:
         return f"CaptureBackend({self.wrapped!r})"
