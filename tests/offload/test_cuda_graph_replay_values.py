@@ -1,0 +1,259 @@
+"""Parity under CUDA graphs with real values (issue 53): a training step captured on the
+modeled accelerator in the data mode and replayed computes what the same step computes
+eagerly without offload.
+
+Which flavours can capture: only ``timed_runtime`` (its :class:`TimedRuntime` models
+``CUDAGraph`` and ``graph``: NOTE [Modeled CUDA graphs]), and only its data mode
+computes values (NOTE [Data-mode replay]): a capture records the operators, runs
+nothing that stays, and each replay runs them again on the strict simulator's streams,
+where every hazard of NOTE [Strict stream simulation] raises.  The other flavours of the
+parity tests cannot: the host path has no streams, and ``strict_streams()`` /
+``strict_runtime()`` model streams and events but no capture (their rows in
+test_autograd_parity.py fake the capture flag and run the work eagerly).  The data mode
+runs on CPU tensors; both of ``timed_runtime``'s runtimes (cuda, npu) are rows here.
+
+Whole steps are captured by the runtime's own ``graph`` (``run.live.graph``), per-layer
+graphs by torch's own ``make_graphed_callables`` under
+:func:`~cpu_offload.testing.modeled_cuda.modeled_graph_calls` (torch.cuda's graphs and
+streams the runtime's, tensors left on the CPU).  Its warm-up iterations run on a side
+stream, which the strict simulator refuses for compute, so an eager warm-up step on the
+default stream comes first and ``num_warmup_iters=0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from helpers import modeled_device
+
+from cpu_offload import get_cpu_offload_context, offload_layers
+from cpu_offload.testing import timed_runtime
+from cpu_offload.testing.modeled_cuda import modeled_graph_calls
+
+L, K, W, BATCH = 4, 2, 32, 8
+DEVICE = modeled_device()
+FLAVOURS = ["cuda", "npu"]
+
+
+def layers() -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(W, 2 * W), torch.nn.GELU(), torch.nn.Linear(2 * W, W))
+        for _ in range(L)
+    )
+
+
+def inputs() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(BATCH, W, generator=generator) for _ in range(3)]
+
+
+def forward(model: Any, x: torch.Tensor, ctx: Any = None, sync_fn: Any = None) -> torch.Tensor:
+    for layer in model:
+        if ctx is None:
+            x = layer(x)
+        else:
+            with ctx:
+                x = layer(x)
+            x = sync_fn(x)
+    return x.square().sum()
+
+
+def expected() -> list[list[torch.Tensor]]:
+    """Per input: the loss, the input's gradient and the parameters', without offload."""
+    model, found = layers(), []
+    for x in inputs():
+        model.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        loss = forward(model, leaf)
+        loss.backward()
+        found.append([loss.detach(), leaf.grad, *(p.grad for p in model.parameters())])
+    return found
+
+
+def assert_equal(want: list[torch.Tensor], have: list[torch.Tensor]) -> None:
+    assert len(want) == len(have)
+    for a, b in zip(want, have):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+class Moved:
+    """The bytes a block moved each way on the runtime's copy engines."""
+
+    def __init__(self, live: Any) -> None:
+        self.live = live
+        self.start = dict(live.timeline.copied)
+
+    def since(self) -> tuple[int, int]:
+        copied = self.live.timeline.copied
+        return copied["d2h"] - self.start["d2h"], copied["h2d"] - self.start["h2d"]
+
+
+def offloaded(api: str, model: torch.nn.ModuleList, scope: Any) -> tuple[Any, Any, Any]:
+    """``model`` offloaded through ``api`` with ``cuda_graph=scope``: the context and
+    sync_fn to run its layers in (None for ``offload_layers``, which hooks them) and
+    what reports."""
+    if api == "get_cpu_offload_context":
+        ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=scope)
+        return ctx, sync_fn, ctx
+    handle = offload_layers(model, K, min_offload_numel=0, cuda_graph=scope)
+    return None, None, handle
+
+
+@dataclass
+class Replays:
+    """What an eager step and each replay (or step through graphed layers) moved and
+    computed, the report after them, and the strict simulator's hazards."""
+
+    eager: tuple[tuple[int, int], list[torch.Tensor]] | None = None
+    replays: list[tuple[tuple[int, int], list[torch.Tensor]]] = field(default_factory=list)
+    report: Any = None
+    hazards: int = -1
+
+
+def whole_step(flavour: str, api: str, plant: Callable[[Any], Any] | None = None) -> Replays:
+    """An eager warm-up step with offload, then the step captured whole by the runtime's
+    ``graph`` and replayed for each input, the input copied into the static one first
+    (``plant(synchronizer)`` runs before the capture: a planted bug)."""
+    model, xs, found = layers(), inputs(), Replays()
+    static_x = torch.zeros(BATCH, W, requires_grad=True)
+    static_x.grad = torch.zeros_like(static_x)
+    for parameter in model.parameters():  # preallocated: the graph accumulates into them
+        parameter.grad = torch.zeros_like(parameter)
+    grads = [static_x.grad, *(p.grad for p in model.parameters())]
+    with timed_runtime(DEVICE, flavour=flavour, data=True) as run:
+        live = run.live
+        strict = live.strict
+        ctx, sync_fn, reports = offloaded(api, model, True)
+
+        def step() -> torch.Tensor:
+            for grad in grads:
+                grad.zero_()
+            loss = forward(model, static_x, ctx, sync_fn)
+            loss.backward()
+            return loss
+
+        static_x.detach().copy_(xs[0])
+        moved = Moved(live)
+        loss = step()
+        found.eager = moved.since(), [loss.detach().clone(), *(g.clone() for g in grads)]
+        if plant is not None:
+            plant(reports.offload_synchronizer)
+        graph = live.CUDAGraph()
+        moved = Moved(live)
+        with live.graph(graph, stream=live.Stream()):
+            static_loss = step()
+        assert moved.since() == (0, 0)  # capture moves nothing
+        for x in xs:
+            static_x.detach().copy_(x)
+            moved = Moved(live)
+            graph.replay()
+            values = [static_loss.detach().clone(), *(g.clone() for g in grads)]
+            found.replays.append((moved.since(), values))
+        found.report = reports.report()
+    found.hazards = strict.counters.hazards
+    return found
+
+
+class InContext(torch.nn.Module):
+    """A layer that enters the offload context inside its forward, as Megatron's do."""
+
+    def __init__(self, layer: torch.nn.Module, ctx: Any, sync_fn: Any) -> None:
+        super().__init__()
+        self.layer, self.ctx, self.sync_fn = layer, ctx, sync_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.ctx:
+            y = self.layer(x)
+        return self.sync_fn(y)  # type: ignore[no-any-return]
+
+
+class Outer(torch.nn.Module):
+    """A module around a layer ``offload_layers`` hooked (``make_graphed_callables``
+    takes no module with hooks of its own)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)  # type: ignore[no-any-return]
+
+
+def per_layer(flavour: str, api: str, scope: Any = "layer") -> Replays:
+    """An eager warm-up step, then every layer's forward and backward captured by
+    ``make_graphed_callables``, and a step through the graphed layers per input."""
+    model, xs, found = layers(), inputs(), Replays()
+    with timed_runtime(DEVICE, flavour=flavour, data=True) as run, modeled_graph_calls(run.live):
+        live = run.live
+        strict = live.strict
+        ctx, sync_fn, reports = offloaded(api, model, scope)
+        if ctx is None:
+            callables = tuple(Outer(layer) for layer in model)
+        else:
+            callables = tuple(InContext(layer, ctx, sync_fn) for layer in model)
+
+        def step(through: Any, x: torch.Tensor) -> list[torch.Tensor]:
+            model.zero_grad(set_to_none=True)
+            leaf = x.clone().requires_grad_()
+            loss = forward(through, leaf)
+            loss.backward()
+            # (cloned: the parameters' gradients are the backward graphs' static outputs)
+            values = [loss.detach(), leaf.grad, *(p.grad for p in model.parameters())]
+            return [value.clone() for value in values]
+
+        moved = Moved(live)
+        values = step(callables, xs[0])
+        found.eager = moved.since(), values
+        samples = tuple((torch.zeros(BATCH, W, requires_grad=True),) for _ in range(L))
+        graphed = torch.cuda.make_graphed_callables(callables, samples, num_warmup_iters=0)
+        for x in xs:
+            moved = Moved(live)
+            values = step(graphed, x)
+            found.replays.append((moved.since(), values))
+        found.report = reports.report()
+    found.hazards = strict.counters.hazards
+    return found
+
+
+API = ["get_cpu_offload_context", "offload_layers"]
+
+
+@pytest.mark.parametrize("api", API)
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_whole_step_captured_replays_the_eager_steps_values_and_bytes(flavour, api):
+    want = expected()
+    found = whole_step(flavour, api)
+    assert found.eager is not None
+    (d2h, h2d), values = found.eager
+    assert d2h == h2d > 0
+    assert_equal(want[0], values)  # the warm-up step: eager, with offload
+    assert len(found.replays) == len(want)
+    for (moved, values), wanted in zip(found.replays, want):
+        assert moved == (d2h, h2d)
+        assert_equal(wanted, values)
+    assert found.hazards == 0
+    steps = found.report.cuda_graph
+    assert (steps.captured, steps.replay, steps.warmup_steps) == (True, True, 1)
+
+
+@pytest.mark.parametrize("api", API)
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_per_layer_graphs_replay_the_eager_steps_values_and_bytes(flavour, api):
+    want = expected()
+    found = per_layer(flavour, api)
+    assert found.eager is not None
+    (d2h, h2d), values = found.eager
+    assert d2h == h2d > 0
+    assert_equal(want[0], values)
+    assert len(found.replays) == len(want)
+    for (moved, values), wanted in zip(found.replays, want):
+        assert moved == (d2h, h2d)
+        assert_equal(wanted, values)
+    assert found.hazards == 0
+    steps = found.report.cuda_graph
+    assert (steps.captured, steps.replay, steps.captures) == (True, True, 1)
