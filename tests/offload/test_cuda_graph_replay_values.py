@@ -31,7 +31,9 @@ import torch
 from helpers import modeled_device
 
 from cpu_offload import get_cpu_offload_context, offload_layers
-from cpu_offload.testing import timed_runtime
+from cpu_offload.engine import layer_state
+from cpu_offload.testing import StreamHazardError, strict_streams, timed_runtime
+from cpu_offload.testing.cuda_graphs import CAPTURED_EVENT, UNJOINED, CaptureError
 from cpu_offload.testing.modeled_cuda import modeled_graph_calls
 
 L, K, W, BATCH = 4, 2, 32, 8
@@ -257,3 +259,117 @@ def test_per_layer_graphs_replay_the_eager_steps_values_and_bytes(flavour, api):
     assert found.hazards == 0
     steps = found.report.cuda_graph
     assert (steps.captured, steps.replay, steps.captures) == (True, True, 1)
+
+
+# ------------------------------------------------------------------ planted violations
+# Each bug below is planted in the offloader's captured schedule.  A capture that is
+# only faked (the backend says it captures, the work runs eagerly: the parity rows of
+# test_autograd_parity.py) runs the step as eager does; a real capture in the data
+# mode checks CUDA's capture rules, and each replay the strict simulator's.
+
+
+def faked(plant: Callable[[Any], Any] | None = None, per_layer_callables: bool = False) -> Any:
+    """The gradients of a warm-up step and a step with the capture faked, under
+    ``strict_streams()`` with ``cuda_graph=True``; and the simulator's hazards."""
+    model, xs = layers(), inputs()
+    with strict_streams() as sim:
+        ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=True)
+        through: Any = model
+        if per_layer_callables:  # each layer enters the context itself
+            through, ctx, sync_fn = [InContext(layer, ctx, sync_fn) for layer in model], None, None
+        synchronizer = (ctx or through[0].ctx).offload_synchronizer
+        found = []
+        for number, x in enumerate(xs[:2]):
+            if number == 1:
+                synchronizer.backend.wrapped.is_capturing = lambda: True
+                if plant is not None:
+                    plant(synchronizer)
+            model.zero_grad(set_to_none=True)
+            leaf = x.clone().requires_grad_()
+            loss = forward(through, leaf, ctx, sync_fn)
+            loss.backward()
+            found.append([loss.detach(), leaf.grad, *(p.grad for p in model.parameters())])
+        del synchronizer.backend.wrapped.is_capturing
+    return found, sim.counters.hazards, synchronizer
+
+
+def test_step_graphs_under_per_layer_capture_fail_at_capture_end_a_faked_capture_passes():
+    """``cuda_graph=True`` leaves a layer's offload for the next layer's graph to join:
+    the faked capture computes eager's gradients without a hazard, the real per-layer
+    capture fails with CUDA's error (never a silent wrong run)."""
+    want = expected()
+    found, hazards, _ = faked(per_layer_callables=True)
+    assert hazards == 0
+    for values, wanted in zip(found, want):
+        assert_equal(wanted, values)
+    with pytest.raises(CaptureError) as raised:
+        per_layer("cuda", "get_cpu_offload_context", scope=True)
+    assert raised.value.kind == UNJOINED
+    assert "never waited for" in str(raised.value)
+
+
+def joins_dropped(synchronizer: Any) -> None:
+    """Plant: the capturing stream never waits for the copy stream (no join)."""
+    backend = synchronizer.backend
+    wait_event = backend.wait_event
+
+    def wait(stream: Any, event: Any) -> None:
+        if stream is synchronizer.offload_stream or not backend.is_capturing():
+            wait_event(stream, event)  # the fork stays
+
+    backend.wait_event = wait
+
+
+def test_a_capture_whose_copies_are_never_joined_fails_at_capture_end():
+    with pytest.raises(CaptureError) as raised:
+        whole_step("cuda", "get_cpu_offload_context", joins_dropped)
+    assert raised.value.kind == UNJOINED
+
+
+def synchronized_instead(synchronizer: Any) -> None:
+    """Plant: the capturing stream's waits for copies are host synchronisations (what a
+    manual controller would do); as eager, stronger than a stream wait."""
+    backend = synchronizer.backend
+    wait_event = backend.wait_event
+    synchronizer.host_waits = 0
+
+    def wait(stream: Any, event: Any) -> None:
+        if stream is synchronizer.offload_stream or not backend.is_capturing():
+            wait_event(stream, event)
+        else:
+            synchronizer.host_waits += 1
+            event.synchronize()
+
+    backend.wait_event = wait
+
+
+def test_a_host_synchronisation_in_the_schedule_passes_faked_and_fails_captured():
+    want = expected()
+    found, hazards, synchronizer = faked(synchronized_instead)
+    assert hazards == 0 and synchronizer.host_waits > 0  # the plant ran
+    for values, wanted in zip(found, want):
+        assert_equal(wanted, values)
+    with pytest.raises(CaptureError) as raised:
+        whole_step("cuda", "get_cpu_offload_context", synchronized_instead)
+    # the host waited for an event of the graph; ending the capture (torch.cuda.graph's
+    # exit ends it, as torch's does) then finds the copy stream unjoined
+    assert raised.value.kind == UNJOINED
+    cause = raised.value.__context__
+    assert isinstance(cause, CaptureError) and cause.kind == CAPTURED_EVENT
+    assert "event.synchronize() of an event recorded in the capture" in str(cause)
+
+
+def test_an_unpack_before_its_reload_is_a_hazard_at_replay(monkeypatch):
+    """Plant: a reloaded tensor's first unpack does not wait for its copy while
+    capturing (the release after the layer's backward still joins it, so the capture
+    ends): the replay's strict simulator sees the read before the copy ran."""
+    run_in_range = layer_state.in_range
+
+    def in_range(name: str, label: str, fn: Any, *args: Any) -> Any:
+        if name == "wait_reload" and fn.__self__.is_capturing():
+            return None
+        return run_in_range(name, label, fn, *args)
+
+    monkeypatch.setattr(layer_state, "in_range", in_range)
+    with pytest.raises(StreamHazardError, match="queued copy into it had not run"):
+        whole_step("cuda", "get_cpu_offload_context")
