@@ -31,9 +31,9 @@ import torch
 from helpers import modeled_device
 
 from cpu_offload import get_cpu_offload_context, offload_layers
-from cpu_offload.engine import layer_state
+from cpu_offload.engine import layer_state, transitions
 from cpu_offload.testing import StreamHazardError, strict_streams, timed_runtime
-from cpu_offload.testing.cuda_graphs import CAPTURED_EVENT, UNJOINED, CaptureError
+from cpu_offload.testing.cuda_graphs import CAPTURED_EVENT, FREED, UNJOINED, CaptureError
 from cpu_offload.testing.modeled_cuda import modeled_graph_calls
 
 L, K, W, BATCH = 4, 2, 32, 8
@@ -359,17 +359,56 @@ def test_a_host_synchronisation_in_the_schedule_passes_faked_and_fails_captured(
     assert "event.synchronize() of an event recorded in the capture" in str(cause)
 
 
-def test_an_unpack_before_its_reload_is_a_hazard_at_replay(monkeypatch):
-    """Plant: a reloaded tensor's first unpack does not wait for its copy while
-    capturing (the release after the layer's backward still joins it, so the capture
-    ends): the replay's strict simulator sees the read before the copy ran."""
-    run_in_range = layer_state.in_range
+def wait_dropped(monkeypatch: Any, which: str) -> None:
+    """Plant: while capturing, the wait of the profiler range ``which`` is not made:
+    ``"wait_reload"``, a reloaded tensor's first unpack waiting for its copy, or
+    ``"release"``, a layer's device tensors dropped after its offload was joined."""
+    run_in_range, run_release = layer_state.in_range, transitions.in_range
 
     def in_range(name: str, label: str, fn: Any, *args: Any) -> Any:
-        if name == "wait_reload" and fn.__self__.is_capturing():
+        if name == which == "wait_reload" and fn.__self__.is_capturing():
             return None
-        return run_in_range(name, label, fn, *args)
+        if name == which == "release" and fn.__self__.backend.is_capturing():
+            args[0].in_flight = []  # the offload's event, not waited for
+        run = run_in_range if name == "wait_reload" else run_release
+        return run(name, label, fn, *args)
 
     monkeypatch.setattr(layer_state, "in_range", in_range)
-    with pytest.raises(StreamHazardError, match="queued copy into it had not run"):
+    monkeypatch.setattr(transitions, "in_range", in_range)
+
+
+@pytest.mark.parametrize("which", ["release", "wait_reload"])
+def test_memory_dropped_under_a_copy_in_flight_is_refused_at_capture_end(monkeypatch, which):
+    """Device memory let go of before the capture stream waited for the copy that uses
+    it: the graph's pool gives it to later work of the capture (silently wrong on a
+    device; in eager, the strict simulator's "freed before the copy ran").  The copy
+    is joined later in the step, so CUDA's own rules pass it."""
+    wait_dropped(monkeypatch, which)
+    with pytest.raises(CaptureError) as raised:
         whole_step("cuda", "get_cpu_offload_context")
+    assert raised.value.kind == FREED
+    assert "let go of before the capture stream" in str(raised.value)
+
+
+def test_a_copy_issued_before_its_source_was_computed_is_a_hazard_at_replay():
+    """Plant: after the first, the offload stream's waits for the capturing stream
+    (the fork before each layer's copies) are not made; the stream is in the capture
+    already, so the capture ends, and each replay's strict simulator sees a copy of a
+    tensor whose compute it did not wait for."""
+
+    def fork_dropped(synchronizer: Any) -> None:
+        backend = synchronizer.backend
+        wait_event = backend.wait_event
+        forks: list[Any] = []
+
+        def wait(stream: Any, event: Any) -> None:
+            if stream is synchronizer.offload_stream and backend.is_capturing():
+                forks.append(event)
+                if len(forks) > 1:
+                    return
+            wait_event(stream, event)
+
+        backend.wait_event = wait
+
+    with pytest.raises(StreamHazardError, match="before that stream waited for the compute"):
+        whole_step("cuda", "get_cpu_offload_context", fork_dropped)
