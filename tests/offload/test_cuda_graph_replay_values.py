@@ -39,6 +39,7 @@ from cpu_offload.testing.modeled_cuda import modeled_graph_calls
 L, K, W, BATCH = 4, 2, 32, 8
 DEVICE = modeled_device()
 FLAVOURS = ["cuda", "npu"]
+POLICY = ["checkpoint+offload", "checkpoint", "offload", "keep"]
 
 
 def layers() -> torch.nn.ModuleList:
@@ -102,7 +103,10 @@ def offloaded(api: str, model: torch.nn.ModuleList, scope: Any) -> tuple[Any, An
     if api == "get_cpu_offload_context":
         ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=scope)
         return ctx, sync_fn, ctx
-    handle = offload_layers(model, K, min_offload_numel=0, cuda_graph=scope)
+    if api == "offload_layers, a policy with checkpoints":  # recomputes in the backward
+        handle = offload_layers(model, policy=POLICY, min_offload_numel=0, cuda_graph=scope)
+    else:
+        handle = offload_layers(model, K, min_offload_numel=0, cuda_graph=scope)
     return None, None, handle
 
 
@@ -225,7 +229,7 @@ def per_layer(flavour: str, api: str, scope: Any = "layer") -> Replays:
 API = ["get_cpu_offload_context", "offload_layers"]
 
 
-@pytest.mark.parametrize("api", API)
+@pytest.mark.parametrize("api", [*API, "offload_layers, a policy with checkpoints"])
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_a_whole_step_captured_replays_the_eager_steps_values_and_bytes(flavour, api):
     want = expected()
@@ -241,6 +245,8 @@ def test_a_whole_step_captured_replays_the_eager_steps_values_and_bytes(flavour,
     assert found.hazards == 0
     steps = found.report.cuda_graph
     assert (steps.captured, steps.replay, steps.warmup_steps) == (True, True, 1)
+    if api.endswith("checkpoints"):  # the checkpointed layers recompute inside the graph
+        assert found.report.recomputed_layers == [0, 1]
 
 
 @pytest.mark.parametrize("api", API)
