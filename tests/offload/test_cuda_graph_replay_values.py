@@ -165,6 +165,54 @@ def whole_step(flavour: str, api: str, plant: Callable[[Any], Any] | None = None
     return found
 
 
+@pytest.mark.parametrize("scope", [True, "layer"])
+def test_eager_steps_between_replays_and_replays_after_them_compute_eager_values(scope):
+    """The same context runs eager steps (evaluation, a step outside the graph) between
+    replays; they share its fixed host buffers.  ``"layer"`` under a whole-step graph
+    joins each layer's copies early: slower, the same values."""
+    want, model, xs = expected(), layers(), inputs()
+    static_x = torch.zeros(BATCH, W, requires_grad=True)
+    static_x.grad = torch.zeros_like(static_x)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    grads = [static_x.grad, *(p.grad for p in model.parameters())]
+    with timed_runtime(DEVICE, data=True) as run:
+        live, strict = run.live, run.live.strict
+        ctx, sync_fn, _ = offloaded("get_cpu_offload_context", model, scope)
+
+        def step() -> torch.Tensor:
+            for grad in grads:
+                grad.zero_()
+            loss = forward(model, static_x, ctx, sync_fn)
+            loss.backward()
+            return loss
+
+        static_x.detach().copy_(xs[0])
+        moved = Moved(live)
+        step()
+        eager_bytes = moved.since()
+        graph = live.CUDAGraph()
+        with live.graph(graph, stream=live.Stream()):
+            static_loss = step()
+        for number, how in [
+            (0, "replay"),
+            (1, "eager"),
+            (2, "replay"),
+            (1, "replay"),
+            (2, "eager"),
+        ]:
+            static_x.detach().copy_(xs[number])
+            moved = Moved(live)
+            if how == "replay":
+                graph.replay()
+                loss = static_loss
+            else:
+                loss = step()
+            assert moved.since() == eager_bytes, how
+            assert_equal(want[number], [loss.detach(), *grads])
+    assert strict.counters.hazards == 0 and eager_bytes[0] > 0
+
+
 class InContext(torch.nn.Module):
     """A layer that enters the offload context inside its forward, as Megatron's do."""
 
