@@ -21,6 +21,15 @@ NOTE [A captured step]
       in the layer's graphs; in ``"step"`` graphs, by the end of the step's backward.
     * Nothing but the captured work decides per step: no host synchronisation, no
       allocation after the warm-up, the schedule fixed by the layer indices.
+    * In ``"step"`` graphs a forward pass is captured whole or not at all: a layer
+      entered inside a capture in a pass that began outside one (or the reverse) is
+      refused with the offloader's own error, which names ``cuda_graph="layer"``,
+      before its copies cross the capture's boundary (CUDA would refuse the wait on an
+      event recorded outside, cudaErrorStreamCaptureIsolation).  Per-layer graphs of
+      a whole model under ``"step"`` fail earlier, with CUDA's
+      cudaErrorStreamCaptureUnjoined at the first graph's end: the offloader does not
+      run when a capture ends, and torch says only whether the current stream
+      captures, not which capture, so it cannot tell one layer's graph from a step's.
     * An event recorded during a capture is a node of that graph: nothing outside it
       may wait for it (CUDA refuses: cudaErrorCapturedEvent, pytorch#192000), and
       nothing needs to, since a replay ends with its copies joined to the stream it
@@ -108,6 +117,19 @@ class GraphHostPool(HostBufferPool):
         super().empty_cache()
 
 
+def capture_changed(layer: int, captured: bool) -> str:
+    """The error of a ``"step"`` pass whose layers are not all in one capture."""
+    began, now = ("inside", "outside") if captured else ("outside", "inside")
+    return (
+        f"cpu_offload: cuda_graph=True captures a whole step in one CUDA graph, but layer "
+        f"{layer} of this forward pass entered the offload context {now} a capture, and "
+        f"the pass began {began} one: its copies would cross the capture's boundary. "
+        "For per-layer graphs (make_graphed_callables, Megatron's per-layer graphs) "
+        "pass cuda_graph='layer'; for one graph per step, run every layer's forward "
+        "and backward inside the torch.cuda.graph block."
+    )
+
+
 def saved_nothing(record: StepRecord) -> bool:
     """Whether no layer of the step saved a tensor (its forwards were graph replays)."""
     for source in record.layers:
@@ -160,6 +182,9 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
         if self.cuda_graph == "layer" and forward_pass in self._captured:
             return  # each layer offloads at its own end (fwd_end)
+        captured = forward_pass in self._captured
+        if layer and self.cuda_graph == "step" and captured != self.backend.is_capturing():
+            raise CpuOffloadError(capture_changed(layer, captured))
         super()._on_forward(forward_pass, layer)
 
     def fwd_end(self) -> None:

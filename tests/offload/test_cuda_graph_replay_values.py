@@ -32,6 +32,8 @@ from helpers import modeled_device
 
 from cpu_offload import get_cpu_offload_context, offload_layers
 from cpu_offload.engine import layer_state, transitions
+from cpu_offload.errors import CpuOffloadError
+from cpu_offload.graphs.graph_synchronizer import capture_changed
 from cpu_offload.testing import StreamHazardError, strict_streams, timed_runtime
 from cpu_offload.testing.cuda_graphs import CAPTURED_EVENT, FREED, UNJOINED, CaptureError
 from cpu_offload.testing.modeled_cuda import modeled_graph_calls
@@ -466,3 +468,27 @@ def test_a_copy_issued_before_its_source_was_computed_is_a_hazard_at_replay():
 
     with pytest.raises(StreamHazardError, match="before that stream waited for the compute"):
         whole_step("cuda", "get_cpu_offload_context", fork_dropped)
+
+
+def test_a_step_captured_from_its_second_layer_on_is_refused_with_the_offloaders_error():
+    """cuda_graph=True, the first layer's forward eager and the rest of the step in the
+    graph: the pass would copy across the capture's boundary (CUDA: a wait on an
+    event recorded outside, cudaErrorStreamCaptureIsolation); the offloader refuses it
+    first, naming what to do."""
+    model, xs = layers(), inputs()
+    x = xs[0].clone().requires_grad_()
+    with timed_runtime(DEVICE, data=True) as run:
+        live = run.live
+        ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=True)
+        forward(model, x, ctx, sync_fn).backward()  # warm-up
+        with ctx:
+            h = model[0](x)
+        h = sync_fn(h)
+        with pytest.raises(CpuOffloadError) as raised:
+            with live.graph(live.CUDAGraph(), stream=live.Stream()):
+                forward(model[1:], h, ctx, sync_fn).backward()
+    assert str(raised.value) == capture_changed(1, False)
+    assert "layer 1 of this forward pass entered the offload context inside a capture" in (
+        str(raised.value)
+    )
+    assert "pass cuda_graph='layer'" in str(raised.value)
