@@ -470,25 +470,36 @@ def test_a_copy_issued_before_its_source_was_computed_is_a_hazard_at_replay():
         whole_step("cuda", "get_cpu_offload_context", fork_dropped)
 
 
-def test_a_step_captured_from_its_second_layer_on_is_refused_with_the_offloaders_error():
-    """cuda_graph=True, the first layer's forward eager and the rest of the step in the
-    graph: the pass would copy across the capture's boundary (CUDA: a wait on an
-    event recorded outside, cudaErrorStreamCaptureIsolation); the offloader refuses it
-    first, naming what to do."""
+@pytest.mark.parametrize("captured", ["layers 1 on", "layer 0 only"])
+def test_a_pass_split_across_a_captures_boundary_is_refused_with_the_offloaders_error(captured):
+    """cuda_graph=True and a forward pass part eager, part in a graph (the first
+    layer's forward eager and the rest of the step in the graph, or the first layer
+    alone captured): the pass would copy across the capture's boundary.  CUDA refuses
+    the first (a wait on an event recorded outside: cudaErrorStreamCaptureIsolation);
+    the second it runs, silently: the eager layers copy memory the graph owns, which
+    only a replay fills.  The offloader refuses both, naming what to do."""
     model, xs = layers(), inputs()
     x = xs[0].clone().requires_grad_()
     with timed_runtime(DEVICE, data=True) as run:
         live = run.live
         ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=True)
         forward(model, x, ctx, sync_fn).backward()  # warm-up
-        with ctx:
-            h = model[0](x)
-        h = sync_fn(h)
+        graph = live.graph(live.CUDAGraph(), stream=live.Stream())
         with pytest.raises(CpuOffloadError) as raised:
-            with live.graph(live.CUDAGraph(), stream=live.Stream()):
-                forward(model[1:], h, ctx, sync_fn).backward()
-    assert str(raised.value) == capture_changed(1, False)
-    assert "layer 1 of this forward pass entered the offload context inside a capture" in (
+            if captured == "layers 1 on":
+                with ctx:
+                    h = model[0](x)
+                h = sync_fn(h)
+                with graph:
+                    forward(model[1:], h, ctx, sync_fn).backward()
+            else:
+                with graph, ctx:
+                    h = model[0](x)
+                forward(model[1:], sync_fn(h), ctx, sync_fn).backward()
+    inside = captured == "layers 1 on"
+    assert str(raised.value) == capture_changed(1, not inside)
+    now = "inside" if inside else "outside"
+    assert f"layer 1 of this forward pass entered the offload context {now} a capture" in (
         str(raised.value)
     )
     assert "pass cuda_graph='layer'" in str(raised.value)
