@@ -24,8 +24,9 @@ NOTE [A captured step]
     * In ``"step"`` graphs a forward pass is captured whole or not at all: a layer
       entered inside a capture in a pass that began outside one (or the reverse) is
       refused with the offloader's own error, which names ``cuda_graph="layer"``,
-      before its copies cross the capture's boundary (CUDA would refuse the wait on an
-      event recorded outside, cudaErrorStreamCaptureIsolation).  Per-layer graphs of
+      before its copies cross the capture's boundary (into a capture, CUDA refuses
+      the wait on an event recorded outside, cudaErrorStreamCaptureIsolation; out of
+      one, it runs eager copies of memory only a replay fills).  Per-layer graphs of
       a whole model under ``"step"`` fail earlier, with CUDA's
       cudaErrorStreamCaptureUnjoined at the first graph's end: the offloader does not
       run when a capture ends, and torch says only whether the current stream
