@@ -21,6 +21,22 @@ NOTE [A captured step]
       in the layer's graphs; in ``"step"`` graphs, by the end of the step's backward.
     * Nothing but the captured work decides per step: no host synchronisation, no
       allocation after the warm-up, the schedule fixed by the layer indices.
+    * In ``"step"`` graphs a forward pass is captured whole or not at all: a layer
+      entered inside a capture in a pass that began outside one (or the reverse) is
+      refused with the offloader's own error, which names ``cuda_graph="layer"``,
+      before its copies cross the capture's boundary (into a capture, CUDA refuses
+      the wait on an event recorded outside, cudaErrorStreamCaptureIsolation; out of
+      one, it runs eager copies of memory only a replay fills).  Per-layer graphs of
+      a whole model under ``"step"`` fail earlier, with CUDA's
+      cudaErrorStreamCaptureUnjoined at the first graph's end: the offloader does not
+      run when a capture ends, and torch says only whether the current stream
+      captures, not which capture, so it cannot tell one layer's graph from a step's.
+    * An event recorded during a capture is a node of that graph: nothing outside it
+      may wait for it (CUDA refuses: cudaErrorCapturedEvent, pytorch#192000), and
+      nothing needs to, since a replay ends with its copies joined to the stream it
+      was launched on and a failed capture ran nothing.  So where the layer's data
+      goes outside the capture that copied it (its graph dropped, its pass freed after
+      a failed capture), the waits on such events are not made.
 
     Steps are told apart for the report (NOTE [What a replay reports] in
     report/graph_report.py): eager steps before the first capture are warm-up steps;
@@ -37,7 +53,7 @@ from typing import Any, cast
 
 import torch
 
-from ..device.backend import DeviceBackend, Stream
+from ..device.backend import DeviceBackend, Event, Stream
 from ..engine.forward_pass import ForwardPass
 from ..engine.host_buffers import HostBufferPool
 from ..engine.synchronizer import DefaultOffloadSynchronizer
@@ -52,11 +68,13 @@ __all__ = ["CaptureBackend", "GraphHostPool", "GraphSynchronizer"]
 
 class CaptureBackend:
     """A device backend as it is, but for ``record_stream``, which does nothing while the
-    current stream is captured (NOTE [A captured step]); every other call is the
-    device backend's."""
+    current stream is captured, and for waits outside a capture on events recorded in
+    one, which are not made (NOTE [A captured step]); every other call is the device
+    backend's."""
 
     def __init__(self, backend: DeviceBackend) -> None:
         self.wrapped = backend
+        self.captured_events: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.wrapped, name)
@@ -64,6 +82,17 @@ class CaptureBackend:
     def record_stream(self, tensor: Any, stream: Stream) -> None:
         if not self.wrapped.is_capturing():
             self.wrapped.record_stream(tensor, stream)
+
+    def record_event(self, stream: Stream | None = None) -> Event:
+        event = self.wrapped.record_event(stream)
+        if self.wrapped.is_capturing():
+            self.captured_events.add(event)
+        return event
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        if event in self.captured_events and not self.wrapped.is_capturing():
+            return  # a graph's node: nothing outside the graph can wait for it
+        self.wrapped.wait_event(stream, event)
 
     def __repr__(self) -> str:
         return f"CaptureBackend({self.wrapped!r})"
@@ -87,6 +116,19 @@ class GraphHostPool(HostBufferPool):
                 "context together instead; their buffers go with the context."
             )
         super().empty_cache()
+
+
+def capture_changed(layer: int, captured: bool) -> str:
+    """The error of a ``"step"`` pass whose layers are not all in one capture."""
+    began, now = ("inside", "outside") if captured else ("outside", "inside")
+    return (
+        f"cpu_offload: cuda_graph=True captures a whole step in one CUDA graph, but layer "
+        f"{layer} of this forward pass entered the offload context {now} a capture, and "
+        f"the pass began {began} one: its copies would cross the capture's boundary. "
+        "For per-layer graphs (make_graphed_callables, Megatron's per-layer graphs) "
+        "pass cuda_graph='layer'; for one graph per step, run every layer's forward "
+        "and backward inside the torch.cuda.graph block."
+    )
 
 
 def saved_nothing(record: StepRecord) -> bool:
@@ -141,6 +183,9 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
     def _on_forward(self, forward_pass: ForwardPass, layer: int) -> None:
         if self.cuda_graph == "layer" and forward_pass in self._captured:
             return  # each layer offloads at its own end (fwd_end)
+        captured = forward_pass in self._captured
+        if layer and self.cuda_graph == "step" and captured != self.backend.is_capturing():
+            raise CpuOffloadError(capture_changed(layer, captured))
         super()._on_forward(forward_pass, layer)
 
     def fwd_end(self) -> None:

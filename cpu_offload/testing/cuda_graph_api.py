@@ -5,16 +5,26 @@ its record on the clocks (NOTE [Modeled CUDA graphs] in cuda_graphs.py).
 NOTE [Data-mode replay]
     With ``timed_runtime(data=True)`` a capture also records the operators its streams
     run (:class:`_Recorder`, a ``TorchDispatchMode`` above the timing): the operator and
-    the very tensors it was given and returned.  The capture runs them, to make its
-    tensors, with the strict simulator looking away; at ``capture_end`` it undoes what a
-    capture never does: memory that existed before it and that captured work wrote is
-    restored, and the tensors it made hold poison (NaN, or the byte ``0xA5``) until a
-    replay fills them.  A replay runs the operators again, in order, on the same tensor
-    objects, without autograd: an in-place operator writes its arguments again, a
-    fresh output is copied into the tensor the capture returned (views alias it), and
-    each runs on its stream of the strict simulator (the launch stream, or a branch),
-    whose events the captured records and waits drive, so every hazard of NOTE [Strict
-    stream simulation] is checked at each replay.  What it cannot do: random operators
+    the memory it was given and returned, held by aliases (``detach()``) of the tensors,
+    as a graph holds addresses: a program that later points a tensor object at other
+    memory (``t.data = ...``, as the offloader's version keepers do when a copy's source
+    is released) does not change what a replay reads or writes.  The capture runs
+    them, to make its tensors, with the strict simulator looking away; at
+    ``capture_end`` it undoes what a capture never does: memory that existed before it
+    and that captured work wrote is restored, and the tensors it made hold poison
+    (NaN, or the byte ``0xA5``) until a replay fills them.  A replay runs the
+    operators again, in order, on the same memory, without autograd: an in-place
+    operator writes its arguments again, a fresh output is copied into the tensor the
+    capture returned (views alias it), and each runs on its stream of the strict
+    simulator (the launch stream, or a branch), whose events the captured records and
+    waits drive, so every hazard of NOTE [Strict stream simulation] is checked at each
+    replay.  Since the record keeps every tensor's memory, the strict simulator's "freed
+    before the copy ran" cannot happen at replay; the capture checks it instead: memory
+    the program lets go of (no reference left but the record's) while a copy on a forked
+    stream uses it, before the capture stream was ordered after that copy, makes
+    ``capture_end`` raise (kind ``"memory freed under a copy in flight"``, the model's
+    rule: on a device the graph's pool hands that memory to later work of the capture,
+    and every replay is silently wrong).  What it cannot do: random operators
     draw new numbers (CUDA's graph-safe generators advance an offset instead), the
     graph keeps every tensor its record uses (the pool's reserve then counts them all),
     and host work the capture ran (operators on host memory) is not replayed, as on a
@@ -30,12 +40,22 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from ..device.backend import is_dense
 from ..device.kernel_costs import ALIASES, ALLOCATIONS, storage_id, tensors_in
 from .allocator_pools import StreamOrder
 from .clocks import StreamClock, Timeline
-from .cuda_graphs import INVALIDATED, MODES, UNJOINED, UNMATCHED, Capture, CaptureError, GraphPool
+from .cuda_graphs import (
+    FREED,
+    INVALIDATED,
+    MODES,
+    UNJOINED,
+    UNMATCHED,
+    Capture,
+    CaptureError,
+    GraphPool,
+)
 from .device_memory import DeviceMemory
 from .sim_streams import SimulatedEvent
 from .timed_streams import TimedStream
@@ -66,6 +86,7 @@ class GraphRuntime(Protocol):
 
 
 _graph_ids = itertools.count(1)
+aten = torch.ops.aten
 
 
 def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -96,10 +117,16 @@ class _Recorder(TorchDispatchMode):
         self.runtime, self.capture = runtime, capture
         self.saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.made: set[int | None] = set()  # storages the captured operators made
+        self.held: dict[int | None, int] = {}  # per storage, the references the record holds
+        #: copies on forked streams not yet joined: (an end, its stream, its work number)
+        self.in_flight: list[tuple[torch.Tensor, int, int]] = []
+        self.freed: CaptureError | None = None  # the first copy whose memory went early
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         capture, strict = self.capture, self.runtime.strict
+        if self.in_flight and not strict.suspend_depth:
+            self.check_frees()
         index = capture.streams.get(self.runtime.current.clock)
         if index is None or strict.suspend_depth or func.is_view or func in ALIASES:
             return func(*args, **kwargs)
@@ -114,10 +141,40 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if len(capture.nodes) > before:  # device work (a kernel or a copy), not host work
             self.saved.update(saved)
-            capture.nodes.append(("op", index, func, args, kwargs, out))
+            with strict.suspended():  # the memory, whatever the program does to its tensors
+                held = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs, out))
+            capture.nodes.append(("op", index, func, *held))
+            for key in map(storage_id, tensors_in(held)):
+                self.held[key] = self.held.get(key, 0) + 1
+            if func is aten.copy_.default and index:  # on a forked stream
+                ends = held[0][:2]
+                self.in_flight.extend((end, index, capture.work[index]) for end in ends)
             given = {storage_id(t) for t in tensors_in(kwargs, tensors_in(args))}
             self.made.update(k for k in map(storage_id, tensors_in(out)) if k not in given)
         return out
+
+    def check_frees(self) -> None:
+        """Whether the program let go of memory a copy on a forked stream uses before
+        the capture stream was ordered after the copy (NOTE [Data-mode replay])."""
+        known, still = self.capture.known[0], []
+        for end, index, number in self.in_flight:
+            if known.get(index, 0) >= number:
+                continue  # joined
+            uses = torch._C._storage_Use_Count(end.untyped_storage()._cdata)
+            if uses > self.held[storage_id(end)] + 1:  # (+1: the storage object asked)
+                still.append((end, index, number))
+            elif self.freed is None:
+                stream = self.capture.clocks[index].name
+                self.freed = CaptureError(
+                    FREED,
+                    f"a copy on {stream} (forked from the capture) uses memory (shape "
+                    f"{tuple(end.shape)}) that the program let go of before the capture "
+                    f"stream {self.capture.origin.clock.name} waited for the copy: the "
+                    "graph's pool hands that memory to later work of the capture, which "
+                    "every replay runs while the copy reads or writes it. Make the "
+                    "capture stream wait for the copy before the tensor is dropped.",
+                )
+        self.in_flight = still
 
     def undo(self) -> None:
         """What a capture never does: older memory it wrote is restored, and the
@@ -195,6 +252,7 @@ class ModeledGraph:
         if recorder is not None:
             recorder.__exit__(None, None, None)
             runtime.strict.unwatched = False
+            recorder.check_frees()
             recorder.undo()
         error = None
         if runtime.current is not capture.origin:
@@ -216,6 +274,8 @@ class ModeledGraph:
                 f"capture stream {capture.origin.clock.name} never waited for. Join it "
                 "before the capture ends: capture_stream.wait_stream(side).",
             )
+        elif recorder is not None and recorder.freed is not None:
+            error = recorder.freed
         if error is not None:
             self.graph_pool.release(runtime.timeline.now(capture.origin.clock))
             self.graph_pool = None

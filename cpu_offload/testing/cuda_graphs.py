@@ -92,6 +92,7 @@ UNMATCHED = "cudaErrorStreamCaptureUnmatched"
 CAPTURED_EVENT = "cudaErrorCapturedEvent"
 UNPINNED = "pytorch#172156 unpinned copy during capture"
 UNCAPTURED = "uncaptured work on captured memory"
+FREED = "memory freed under a copy in flight"
 MODES = ("global", "thread_local", "relaxed")
 
 

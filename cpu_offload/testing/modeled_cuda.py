@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .timed_device import TimedRuntime
 
-__all__ = ["modeled_cuda"]
+__all__ = ["modeled_cuda", "modeled_graph_calls"]
 
 _CUDA = torch.device("cuda", 0)
 _META = torch.device("meta")
@@ -195,6 +195,29 @@ def _patched(target: Any, values: dict[str, Any]) -> Iterator[None]:
                 delattr(target, name)
             else:
                 setattr(target, name, value)
+
+
+#: what ``torch.cuda.graph`` and ``make_graphed_callables`` call besides the graphs
+_GRAPH_CALLS = ("Stream", "stream", "current_stream", "synchronize", "empty_cache")
+
+
+@contextlib.contextmanager
+def modeled_graph_calls(runtime: TimedRuntime) -> Iterator[None]:
+    """Inside the block, ``torch.cuda``'s streams and CUDA graphs are ``runtime``'s and
+    nothing else is: tensors stay where they are, so that torch's own
+    ``torch.cuda.graph`` and ``make_graphed_callables`` run on a data-mode runtime
+    (``timed_runtime(data=True)``, CPU tensors; NOTE [Data-mode replay]), where
+    :func:`modeled_cuda` does not.  ``torch.cuda.is_available()`` and the device calls
+    are left alone: offload contexts made inside still offload from the CPU."""
+    calls = _runtime_functions(runtime)
+    graphs = _graphs(runtime)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            _patched(torch.cuda, {**{name: calls[name] for name in _GRAPH_CALLS}, **graphs})
+        )
+        stack.enter_context(_patched(torch.cuda.graphs, graphs))
+        stack.enter_context(_patched(torch._C, {"_host_emptyCache": runtime.empty_pinned_cache}))
+        yield
 
 
 @contextlib.contextmanager

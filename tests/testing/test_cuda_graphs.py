@@ -441,3 +441,37 @@ def test_the_reuse_checks_see_replays_not_the_capture():
         with pytest.raises(StreamHazardError, match=f"compute's replay of graph {g2.number}"):
             with torch.cuda.stream(side):
                 torch.empty(2 * H, H, device="cuda")
+
+
+@pytest.mark.parametrize("join_first", [True, False], ids=["joined", "dropped first"])
+def test_memory_dropped_under_a_copy_in_flight_is_refused_in_the_data_mode(join_first):
+    """The data mode's own rule (NOTE [Data-mode replay]): a tensor the program lets go
+    of while a copy on a forked stream still uses it, before the capture stream waited
+    for the copy; the graph's pool would give its memory to later work of the capture."""
+    x, w = torch.randn(8, 32), torch.randn(32, 64)
+    with timed_runtime(DEVICE, data=True) as run:
+        live = run.live
+        host = torch.empty(8, 64, pin_memory=True)
+        side, copy, g = live.Stream(), live.Stream(), live.CUDAGraph()
+
+        def capture():
+            with live.graph(g, stream=side):
+                h = x @ w
+                copy.wait_stream(side)
+                with live.stream(copy):
+                    host.copy_(h, non_blocking=True)
+                if join_first:
+                    side.wait_stream(copy)
+                del h
+                x.square()  # later work of the capture
+                side.wait_stream(copy)
+
+        if not join_first:
+            with pytest.raises(CaptureError) as raised:
+                capture()
+            assert raised.value.kind == "memory freed under a copy in flight"
+            assert "shape (8, 64)" in str(raised.value)
+            return
+        capture()
+        g.replay()
+        assert torch.equal(host, x @ w)
