@@ -44,6 +44,7 @@ _HOOK_MODULES = (
     "cpu_offload.engine.manual_synchronizer",
     "cpu_offload.engine.pass_schedule",
     "cpu_offload.log",
+    "cpu_offload.hooks.graph_ops",
     "cpu_offload.hooks.marks",
     "cpu_offload.policy.measured_step",
     "cpu_offload.hooks.per_thread",
