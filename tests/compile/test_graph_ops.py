@@ -127,6 +127,37 @@ def test_where_the_ops_cannot_go_the_eager_hooks_run_around_the_compiled_call(mo
     handle.remove()
 
 
+@pytest.mark.parametrize("order", ["offload first", "compile first"])
+def test_checkpoint_wrapped_layers_keep_the_eager_hooks_around_the_call(order):
+    """A layer in a checkpoint wrapper compiled in place (torchtitan's AC, then its
+    apply_compile) keeps the eager hooks around the compiled call, and nothing goes
+    through the ops: torch 2.13's AOTAutograd fails to inline hooks into torchtitan's
+    such graphs, and a graph checkpointed whole saves only its inputs, which it keeps
+    from the ops (the ops would move nothing here)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+
+    def wrap_and_compile(model: Decoder) -> None:
+        for name, block in list(model.layers.named_children()):
+            wrapped = checkpoint_wrapper(block)
+            model.layers.register_module(name, wrapped)
+            wrapped.compile(backend="aot_eager", fullgraph=True)
+
+    reference = Decoder("dict")
+    model = copy.deepcopy(reference)
+    wrap_and_compile(reference)
+    expected = [step(reference, seed) for seed in (1, 2)]
+    packed = graph_ops().packed
+    handle = offload_in_order(model, order, wrap_and_compile, K)
+    actual = [step(model, seed) for seed in (1, 2)]
+    for want, got in zip(expected, actual):
+        assert_bit_identical(want, got)
+    assert graph_ops().packed == packed
+    assert handle.offload_synchronizer.stats.bytes_offloaded > 0
+    handle.remove()
+
+
 @pytest.mark.parametrize("data", [False, True], ids=["shapes", "data"])
 def test_a_compiled_block_on_the_modeled_accelerator_overlaps_its_copies(data):
     """aot_eager blocks on the modeled accelerator (NOTE [Compiled code on the
