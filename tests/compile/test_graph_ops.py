@@ -113,6 +113,33 @@ def test_a_second_backward_through_the_ops_reloads_again():
     assert (graph_ops().packed - packed, graph_ops().reloaded - reloaded) == (2 * K, 4 * K)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_batches_of_changing_sizes_through_the_ops(backend):
+    """Dynamic shapes: once dynamo recompiles a layer with a symbolic batch, the sizes and
+    strides the reload op takes are symbolic too (saved for backward as the graph's own
+    symbols)."""
+
+    def run(offload: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        model = Decoder("dict")
+        handle = offload_layers(model, K, min_offload_numel=0) if offload else None
+        compile_blocks(model, "in place", backend)
+        grads = []
+        for rows in (8, 5, 11, 3):
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(rows))
+            model(x).square().mean().backward()
+            grads += [p.grad.clone() for p in model.parameters()]
+        if handle is not None:
+            handle.remove()
+        return grads
+
+    expected = run(False)
+    packed = graph_ops().packed
+    assert_bit_identical(expected, run(True))
+    assert graph_ops().packed - packed == 4 * K * 2
+
+
 @pytest.mark.parametrize("mode", ["no_static", "all"])
 def test_where_the_ops_cannot_go_the_eager_hooks_run_around_the_compiled_call(mode):
     """Under another filtering mode than "donated" (weights or inputs would go through
