@@ -7,6 +7,7 @@ with torch on one thread, to the same compiled program without offload."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -138,6 +139,50 @@ def test_batches_of_changing_sizes_through_the_ops(backend):
     packed = graph_ops().packed
     assert_bit_identical(expected, run(True))
     assert graph_ops().packed - packed == 4 * K * 2
+
+
+class BrokenBlock(torch.nn.Module):
+    """A block dynamo compiles as two graphs (a graph break between them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.up(x))
+        torch._dynamo.graph_break()
+        return x + self.down(h.sin())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_block_with_a_graph_break(backend):
+    """Without fullgraph=True (two graphs per block): the program is still the one
+    compiled without offload, some saved tensors go through the ops, and bytes move."""
+
+    def run(offload: bool) -> tuple[list[torch.Tensor], Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(BrokenBlock() for _ in range(3))
+        handle = offload_layers(blocks, K, min_offload_numel=0) if offload else None
+        for block in blocks:
+            block.compile(backend=backend)
+        grads = []
+        for seed in (1, 2):
+            h = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
+            for block in blocks:
+                h = block(h)
+            blocks.zero_grad(set_to_none=True)
+            h.square().mean().backward()
+            grads += [p.grad.clone() for p in blocks.parameters()]
+        return grads, handle
+
+    expected, _ = run(False)
+    packed = graph_ops().packed
+    actual, handle = run(True)
+    assert_bit_identical(expected, actual)
+    assert graph_ops().packed > packed
+    assert handle.offload_synchronizer.stats.bytes_offloaded > 0
+    handle.remove()
 
 
 @pytest.mark.parametrize("mode", ["no_static", "all"])
