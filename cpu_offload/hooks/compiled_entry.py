@@ -18,9 +18,13 @@ NOTE [Compiled layers]
       layer's hooks as its own (they run eagerly: its call is not compiled, its
       ``forward`` is).
 
-    The saved-tensor hooks entered around the compiled call see the compiled
-    function's saved tensors when it saves them, after its forward graph ran, as
-    they see an eager layer's: the graph is the one compiled without offload.
+    An offloaded layer's entry pushes graph-module hooks above the eager ones, which
+    AOTAutograd inlines as ops into the graphs it compiles (NOTE [Copies as graph
+    ops]); where it cannot (a layer in a checkpoint wrapper, see
+    :meth:`CompiledEntries._entered_around`; another filtering mode; an older torch)
+    the eager hooks entered around the compiled call see the compiled function's
+    saved tensors when it saves them, after its forward graph ran, as they see an
+    eager layer's: the graph is the one compiled without offload.
     :class:`CompiledEntries` finds such layers when ``offload_layers`` hooks them
     and, for layers compiled afterwards, before each forward of the model.  A whole
     model compiled at once runs its layers inside one graph: the hooks stay out of
@@ -37,6 +41,9 @@ import torch
 from torch import nn
 
 from ..errors import CpuOffloadError
+from .autograd_hooks import pop_saved_tensor_hooks, push_saved_tensor_hooks
+from .graph_ops import PACK, UNPACK, available, set_pack_hook
+from .handles import offload_hooks_on_top
 from .module_hooks import ModuleHook
 
 __all__ = ["CompiledEntries", "EagerEntry", "refusal", "untraced"]
@@ -105,6 +112,15 @@ class CompiledEntries:
         self._leave = leave
         self.removers: list[Any] = []
         self._wrapped: set[int] = set()  # ids of the OptimizedModules hooked
+        #: ids of the layers that are themselves ``torch.compile`` wrappers (their hooks
+        #: run eagerly around the compiled call) of no checkpoint wrapper (see
+        #: :meth:`_entered_around`): their graphs take the graph ops
+        self._optimized = {
+            id(layer)
+            for layer in layers
+            if "_orig_mod" in layer._modules
+            and "_checkpoint_wrapped_module" not in cast(nn.Module, layer._orig_mod)._modules
+        }
         #: what compiled layers cannot run with (:func:`refusal`), raised when one is found
         self.refuse: str | None = None
 
@@ -116,10 +132,15 @@ class CompiledEntries:
         """The layers' forward pre-hook: nothing while dynamo traces it, nor inside an
         entry around the compiled call."""
         if not torch.compiler.is_compiling() and self.call.entry is not module:
-            self.entered(module, args, None)
+            if id(module) in self._optimized:
+                self._entered_compiled(module, args, None)
+            else:
+                self.entered(module, args, None)
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.compiler.is_compiling() and self.call.entry is not module:
+            if id(module) in self._optimized:
+                _pop_graph_ops()
             self._leave(module, args, output)
 
     def entered(self, module: nn.Module, args: Any, entry: nn.Module | None) -> None:
@@ -136,7 +157,20 @@ class CompiledEntries:
 
     def left(self, module: nn.Module, args: Any, output: Any) -> None:
         self.call.entry = None
+        _pop_graph_ops()
         self._leave(module, args, output)
+
+    def _entered_compiled(
+        self, layer: nn.Module, args: Any, entry: nn.Module | None = None
+    ) -> None:
+        """Enter a compiled layer (from an entry around its compiled call: ``entry``);
+        when it is offloaded, the graphs compiled for it take its saved tensors through
+        the graph ops (NOTE [Copies as graph ops]) to the pack hook it pushed."""
+        self.entered(layer, args, entry)
+        top = offload_hooks_on_top()
+        if top is not None and available():
+            push_saved_tensor_hooks(PACK, UNPACK)
+            set_pack_hook(top[0])
 
     def watch(self, model: Any) -> None:
         """Attach now, and before each forward of ``model`` (a model, not the list)."""
@@ -173,7 +207,8 @@ class CompiledEntries:
                 compiled = module._compiled_call_impl
                 if hasattr(module, "_orig_mod"):  # torch.compile(...)'s OptimizedModule
                     if id(module) not in self._wrapped:
-                        self._hook_wrapper(module, inner)
+                        ops = "_checkpoint_wrapped_module" not in inner._modules
+                        self._hook_wrapper(module, inner, ops and module._orig_mod is inner)
                         found += 1
                 elif compiled is not None and type(compiled) is not EagerEntry:
                     self._wrap_in_place(module, compiled, inner)
@@ -199,7 +234,9 @@ class CompiledEntries:
     ) -> None:
         """``module`` (``layer`` or a wrapper of it) compiled in place gets an entry."""
         self._check_allowed()
-        entry = EagerEntry(layer or module, compiled, self._entered_in_place, self.left)
+        wrapper = layer is not None or "_checkpoint_wrapped_module" in module._modules
+        enter = self._entered_around if wrapper else self._entered_in_place
+        entry = EagerEntry(layer or module, compiled, enter, self.left)
         module._compiled_call_impl = entry
 
         def unwrap() -> None:
@@ -209,18 +246,28 @@ class CompiledEntries:
         self.removers.append(_Removable(unwrap))
 
     def _entered_in_place(self, layer: nn.Module, args: Any) -> None:
+        self._entered_compiled(layer, args, layer)
+
+    def _entered_around(self, layer: nn.Module, args: Any) -> None:
+        """Enter a layer whose wrapper (a checkpoint wrapper) is compiled: with the eager
+        hooks around the call (torch 2.13's AOTAutograd fails to inline hooks into the
+        graphs of torchtitan's checkpoint-wrapped blocks: "could not find saved tensor
+        ... in bw_g_inputs")."""
         self.entered(layer, args, layer)
 
     def _check_allowed(self) -> None:
         if self.refuse is not None:
             raise CpuOffloadError(self.refuse)
 
-    def _hook_wrapper(self, wrapper: nn.Module, layer: nn.Module) -> None:
+    def _hook_wrapper(self, wrapper: nn.Module, layer: nn.Module, ops: bool) -> None:
+        """Hook ``wrapper``, which compiles ``layer`` (directly: ``ops``, else through a
+        checkpoint wrapper, see :meth:`_entered_around`)."""
         self._check_allowed()
         self._wrapped.add(id(wrapper))
+        enter = self._entered_in_place if ops else self._entered_around
 
         def pre(module: nn.Module, args: Any) -> None:
-            self.entered(layer, args, layer)
+            enter(layer, args)
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             self.left(layer, args, output)
@@ -238,6 +285,12 @@ class CompiledEntries:
         self.layers.clear()
         self._next.clear()
         self._container = None
+
+
+def _pop_graph_ops() -> None:
+    """Pop the graph ops' hooks if :meth:`CompiledEntries._entered_compiled` pushed them."""
+    if set_pack_hook(None):
+        pop_saved_tensor_hooks()
 
 
 def refusal(memory_budget: bool, modules: bool, checkpoints: bool) -> str | None:

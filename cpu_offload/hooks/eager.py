@@ -13,7 +13,12 @@ NOTE [Hooks around compiled code]
     eagerly, at no cost per call.  ``import cpu_offload`` does not import dynamo (it
     doubles the import's time): the modules go on the list when ``torch._dynamo`` is
     imported (a finder on ``sys.meta_path`` runs :func:`skip_in_dynamo` after it), or
-    at once where it already is.
+    at once where it already is.  The module hooks themselves stay traceable (a whole
+    model compiled traces them, as no-ops, with no graph break), but a layer compiled in
+    place runs ``nn.Module._call_impl``, a file dynamo skips, with its frame callback on:
+    each hook it calls would be compiled as a frame of its own, one cache entry per hook
+    object, every entry's guards checked at each call.  The hooks' code is marked to run
+    as written at the top of a frame (``set_code_exec_strategy``), with what it calls.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ _HOOK_MODULES = (
     "cpu_offload.engine.manual_synchronizer",
     "cpu_offload.engine.pass_schedule",
     "cpu_offload.log",
+    "cpu_offload.hooks.graph_ops",
     "cpu_offload.hooks.marks",
     "cpu_offload.policy.measured_step",
     "cpu_offload.hooks.per_thread",
@@ -106,6 +112,26 @@ def skip_in_dynamo() -> None:
 
     for name in _HOOK_MODULES:
         trace_rules.add(name)
+    _skip_hook_frames()
+
+
+def _skip_hook_frames() -> None:
+    """Module hooks run as frames of their own, never compiled (NOTE [Hooks around
+    compiled code]): a layer compiled in place runs ``nn.Module._call_impl``, a file
+    dynamo skips, with its frame callback on, so each hook it calls would be compiled
+    as a frame (one cache entry per hook object, each entry's guards checked at every
+    call).  Their code is marked to run as written, with what it calls; a hook that a
+    compiled frame calls is still traced (a whole model compiled: no graph break)."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # another torch: the hooks' frames are compiled, as before
+        return
+    from .module_hooks import ModuleHook, PassThrough
+
+    as_written = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for code in (ModuleHook.__call__.__code__, PassThrough.__call__.__code__):
+        set_code_exec_strategy(code, as_written)
 
 
 if "torch._dynamo" in sys.modules:

@@ -36,6 +36,16 @@ NOTE [Torn copies]
     copy's destination torn (``counters.torn_copies``) and every copy made from torn
     data torn as well; a torn tensor handed back to autograd is the hazard, and a clean
     copy into a buffer makes it whole again.
+
+NOTE [Compiled code on the simulator]
+    The compute watch (and the modeled accelerator's ``OpTiming``) say
+    ``ignore_compile_internals()``: dynamo compiles under them, with the mode off
+    while it and the compilers trace, and the compiled code runs with the mode on.
+    An ``aot_eager`` graph calls its operators one by one at run time, so the
+    simulator sees each as it sees eager code; an inductor kernel is one call the
+    mode never sees (its reads and writes are not checked, nor timed).  Without
+    this, dynamo would compile no frame under the mode, and a ``fullgraph=True``
+    block would raise "found no compiled frames".
 """
 
 from __future__ import annotations
@@ -89,6 +99,14 @@ _ALLOCATIONS = (
 
 class ComputeWatch(TorchDispatchMode):
     """Stamps writes of compute ops and checks them against queued copies."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo compiles under this mode (it is off while dynamo and the compilers
+        trace) and the compiled code runs under it: an ``aot_eager`` graph's operators
+        are seen one by one, an inductor kernel is not (NOTE [Compiled code on the
+        simulator] in simulator.py)."""
+        return True
 
     def __init__(self, sim: SimulatedBackend) -> None:
         super().__init__()

@@ -272,6 +272,14 @@ class TimedRuntime(SyncDebugMode):
 class OpTiming(TorchDispatchMode):
     """Charges every operator to the modeled accelerator (NOTE [Modeled accelerator])."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo compiles under this mode (it is off while dynamo and the compilers
+        trace) and the compiled code runs under it: an ``aot_eager`` graph's operators
+        are seen one by one, an inductor kernel is not (NOTE [Compiled code on the
+        simulator] in simulator.py)."""
+        return True
+
     def __init__(self, runtime: TimedRuntime) -> None:
         super().__init__()
         self.runtime = runtime

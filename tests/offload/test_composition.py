@@ -60,10 +60,14 @@ def test_compiled_layers_inductor_on_the_accelerator():
 def test_a_model_compiled_before_the_hooks_warns_that_nothing_was_offloaded():
     """A model compiled as a whole runs its layers in one graph, without the hooks (they
     add no graph break); the handle says so at the first backward.  Its layers compiled
-    one by one are entered around their compiled calls, and offload."""
+    one by one are entered around their compiled calls, and offload (their saved
+    intermediates, the tanh's output saved by the second linear: NOTE [Copies as graph
+    ops])."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(3))
+    )
     compiled = torch.compile(model, backend="aot_eager")
     compiled(torch.randn(4, 8)).sum().backward()
     handle = offload_layers(list(model), 2, min_offload_numel=0)
