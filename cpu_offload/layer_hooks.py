@@ -18,7 +18,7 @@ from .engine.layer_context import OffloadContext
 from .engine.schedule import max_offloaded, resolve_count
 from .errors import CpuOffloadError
 from .hooks.autograd_hooks import checkpoint_forward_active, forward_inside_backward
-from .hooks.compiled_entry import CompiledEntries, refusal
+from .hooks.compiled_entry import CompiledEntries, compiled_copies, refusal
 from .hooks.marking import mark_not_offload
 from .hooks.module_hooks import ModuleHook, call_running, layer_hook_owner
 from .log import logger, warn
@@ -64,13 +64,9 @@ class OffloadLayersHandle:
     """
 
     def __init__(self, context: OffloadContext, sync_fn: Any, controller: Any) -> None:
-        self.context = context
-        self.sync_fn = sync_fn
-        self.controller = controller
+        self.context, self.sync_fn, self.controller = context, sync_fn, controller
         self.offload_synchronizer = context.offload_synchronizer
-        self.enabled = True
-        self.forwards_seen = 0
-        self.found = ""
+        self.enabled, self.forwards_seen, self.found = True, 0, ""
         self.policy: list[str] | None = None
         self.k: int | None = None
         self._hooks: list[Any] = []
@@ -198,18 +194,20 @@ class OffloadLayersHandle:
         self.remove()
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    """``offload_layers``' keywords beyond its own: those of ``get_cpu_offload_context``
-    it does not set itself, and ``copy_bandwidth``; another is refused in its name."""
+def check_options(options: dict[str, Any]) -> bool:
+    """Whether ``compiled_copies`` asks for graph ops (taken out); other keywords: those of
+    ``get_cpu_offload_context`` not set here, and ``copy_bandwidth``; another is refused."""
+    graph_ops = compiled_copies(options)
     taken = ("enabled", "num_layers", "model_layers")
     known = [n for n in inspect.signature(get_cpu_offload_context).parameters if n not in taken]
     unknown = [name for name in options if name not in known and name != "copy_bandwidth"]
     if unknown:
         raise TypeError(
             f"offload_layers() got an unexpected keyword argument {unknown[0]!r}; it takes "
-            "num_offloaded_layers (k), policy=, memory_budget=, modules=, copy_bandwidth= "
-            f"and these keywords of get_cpu_offload_context(): {', '.join(known)}."
+            "num_offloaded_layers (k), policy=, memory_budget=, modules=, copy_bandwidth=, "
+            f"compiled_copies= and these keywords of get_cpu_offload_context(): {', '.join(known)}."
         )
+    return graph_ops
 
 
 def offload_layers(
@@ -256,7 +254,8 @@ def offload_layers(
             layer (``module_choices.py``; docs/usage.md, "Choices per submodule").
         **options: keyword arguments of :func:`get_cpu_offload_context`
             (``retain_pinned_cpu_buffers``, ``device``, ``min_offload_numel``,
-            ``manual_synchronization``, ``offload_stream``).
+            ``manual_synchronization``, ``offload_stream``); ``compiled_copies="graph_ops"``
+            copies compiled layers' tensors through ops in their graphs (docs/integrations.md).
 
     Returns:
         A handle; ``handle.remove()`` restores the modules.
@@ -274,7 +273,7 @@ def offload_layers(
         2
         >>> handle.remove()
     """
-    check_options(options)
+    graph_ops = check_options(options)
     layers, where, container = locate_layer_container(model)
     manual = bool(options.get("manual_synchronization", False))
     owner = type(model).__name__
@@ -324,7 +323,8 @@ def offload_layers(
     for position, layer in enumerate(layers):
         positions.setdefault(id(layer), []).append(position)
     enter, leave = _forward_hooks(handle, len(layers), positions, count)
-    handle._compiled = compiled = CompiledEntries(layers, container, handle._call, enter, leave)
+    compiled = CompiledEntries(layers, container, handle._call, enter, leave, graph_ops)
+    handle._compiled = compiled
     compiled.refuse = refusal(memory_budget is not None, modules is not None, bool(checkpointed))
     compiled.watch(model)  # the layers compiled already (or refused), and those compiled later
     handle._hooks.append(compiled)

@@ -317,15 +317,17 @@ def saved_bytes_per_layer(model: torch.nn.Module, data: list) -> list[int]:
     return [sum(layer.values()) for layer in seen]
 
 
-def offload_in_order(model: torch.nn.Module, order: str, prepare: Any, k: int) -> Any:
-    """``offload_layers(model, k, min_offload_numel=0)`` before ``prepare(model)`` (which
-    compiles its blocks) when ``order`` is ``"offload first"``, after it otherwise; the
-    handle."""
+def offload_in_order(
+    model: torch.nn.Module, order: str, prepare: Any, k: int, **options: Any
+) -> Any:
+    """``offload_layers(model, k, min_offload_numel=0, **options)`` before
+    ``prepare(model)`` (which compiles its blocks) when ``order`` is ``"offload first"``,
+    after it otherwise; the handle."""
     from cpu_offload import offload_layers
 
     if order == "offload first":
-        handle = offload_layers(model, k, min_offload_numel=0)
+        handle = offload_layers(model, k, min_offload_numel=0, **options)
         prepare(model)
         return handle
     prepare(model)
-    return offload_layers(model, k, min_offload_numel=0)
+    return offload_layers(model, k, min_offload_numel=0, **options)

@@ -46,7 +46,14 @@ from .graph_ops import PACK, UNPACK, available, set_pack_hook
 from .handles import offload_hooks_on_top
 from .module_hooks import ModuleHook
 
-__all__ = ["CompiledEntries", "EagerEntry", "refusal", "untraced"]
+__all__ = [
+    "COMPILED_COPIES",
+    "CompiledEntries",
+    "EagerEntry",
+    "compiled_copies",
+    "refusal",
+    "untraced",
+]
 
 Enter = Callable[[nn.Module, Any], None]
 Leave = Callable[[nn.Module, Any, Any], None]
@@ -92,6 +99,9 @@ class CompiledEntries:
             looked for; None for a plain list.
         call: per thread, ``entry``: the layer entered around its compiled call now.
         enter, leave: what the layer's forward pre- and post-hook do.
+        graph_ops: the copies of offloaded compiled layers as ops inside their graphs
+            (``compiled_copies="graph_ops"``, NOTE [Copies as graph ops]); else the
+            eager hooks around the compiled call.
     """
 
     def __init__(
@@ -101,7 +111,9 @@ class CompiledEntries:
         call: Any,
         enter: Enter,
         leave: Leave,
+        graph_ops: bool = False,
     ) -> None:
+        self.graph_ops = graph_ops
         # Weakly: the layers' hooks hold this, and a model dropped with its handle
         # (without remove()) goes by reference counting.
         self.layers = {id(layer): weakref.ref(layer) for layer in layers}
@@ -168,7 +180,7 @@ class CompiledEntries:
         the graph ops (NOTE [Copies as graph ops]) to the pack hook it pushed."""
         self.entered(layer, args, entry)
         top = offload_hooks_on_top()
-        if top is not None and available():
+        if top is not None and self.graph_ops and available():
             push_saved_tensor_hooks(PACK, UNPACK)
             set_pack_hook(top[0])
 
@@ -291,6 +303,27 @@ def _pop_graph_ops() -> None:
     """Pop the graph ops' hooks if :meth:`CompiledEntries._entered_compiled` pushed them."""
     if set_pack_hook(None):
         pop_saved_tensor_hooks()
+
+
+#: what ``offload_layers(compiled_copies=...)`` accepts (NOTE [Copies as graph ops])
+COMPILED_COPIES = ("hooks", "graph_ops")
+
+
+def compiled_copies(options: dict[str, Any]) -> bool:
+    """Take ``compiled_copies`` out of ``offload_layers``' options: whether offloaded
+    compiled layers hand their saved tensors over through ops inside their graphs.
+
+    Raises:
+        ValueError: a value other than ``"hooks"`` (the default) or ``"graph_ops"``.
+    """
+    value = options.pop("compiled_copies", "hooks")
+    if value not in COMPILED_COPIES:
+        raise ValueError(
+            f"offload_layers: compiled_copies must be 'hooks' (the default: layers compiled "
+            f"one by one hand their saved tensors to hooks around the compiled call) or "
+            f"'graph_ops' (through ops inside the compiled graphs); got {value!r}."
+        )
+    return bool(value == "graph_ops")
 
 
 def refusal(memory_budget: bool, modules: bool, checkpoints: bool) -> str | None:

@@ -20,6 +20,8 @@ from cpu_offload.hooks.graph_ops import graph_ops
 from cpu_offload.testing import timed_runtime
 
 K = 2  # of the decoder's 3 blocks
+#: the option that asks for the graph ops (the default is the eager hooks)
+GRAPH_OPS = {"compiled_copies": "graph_ops"}
 #: the combinations of the compiled rows (tests/compile/test_compiled_layers.py)
 AOT_EAGER = [
     (style, order)
@@ -37,7 +39,9 @@ def run_both(style: str, order: str, backend: str, streams):
     compile_blocks(reference, style, backend)
     expected = [step(reference, seed) for seed in (1, 2)]
     packed, reloaded = graph_ops().packed, graph_ops().reloaded
-    handle = offload_in_order(model, order, lambda m: compile_blocks(m, style, backend), K)
+    handle = offload_in_order(
+        model, order, lambda m: compile_blocks(m, style, backend), K, **GRAPH_OPS
+    )
     actual = [step(model, seed) for seed in (1, 2)]
     ops = graph_ops()
     return expected, actual, handle, (ops.packed - packed, ops.reloaded - reloaded)
@@ -75,7 +79,7 @@ def test_the_ops_are_in_the_compiled_graphs_and_the_kept_layer_has_none():
     guard on the hooks: the keep-or-move choice is static per graph)."""
     backend = AotEagerAndRecordGraphs()
     model = Decoder("list")
-    handle = offload_layers(model, K, min_offload_numel=0)
+    handle = offload_layers(model, K, min_offload_numel=0, **GRAPH_OPS)
     compile_blocks(model, "in place", backend)
     step(model, 1)
     forwards = [gm.code for gm in backend.fw_graphs]
@@ -98,7 +102,7 @@ def test_a_second_backward_through_the_ops_reloads_again():
     def run(offload: bool) -> list[torch.Tensor]:
         torch._dynamo.reset()
         model = Decoder("list")
-        handle = offload_layers(model, K, min_offload_numel=0) if offload else None
+        handle = offload_layers(model, K, min_offload_numel=0, **GRAPH_OPS) if offload else None
         compile_blocks(model, "in place", "aot_eager")
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
         loss = model(x).square().mean()
@@ -123,7 +127,7 @@ def test_batches_of_changing_sizes_through_the_ops(backend):
     def run(offload: bool) -> list[torch.Tensor]:
         torch._dynamo.reset()
         model = Decoder("dict")
-        handle = offload_layers(model, K, min_offload_numel=0) if offload else None
+        handle = offload_layers(model, K, min_offload_numel=0, **GRAPH_OPS) if offload else None
         compile_blocks(model, "in place", backend)
         grads = []
         for rows in (8, 5, 11, 3):
@@ -163,7 +167,7 @@ def test_a_block_with_a_graph_break(backend):
         torch._dynamo.reset()
         torch.manual_seed(0)
         blocks = torch.nn.ModuleList(BrokenBlock() for _ in range(3))
-        handle = offload_layers(blocks, K, min_offload_numel=0) if offload else None
+        handle = offload_layers(blocks, K, min_offload_numel=0, **GRAPH_OPS) if offload else None
         for block in blocks:
             block.compile(backend=backend)
         grads = []
@@ -183,6 +187,37 @@ def test_a_block_with_a_graph_break(backend):
     assert graph_ops().packed > packed
     assert handle.offload_synchronizer.stats.bytes_offloaded > 0
     handle.remove()
+
+
+@pytest.mark.parametrize("style, order", AOT_EAGER)
+def test_by_default_compiled_layers_keep_the_eager_hooks_and_move_their_inputs_too(style, order):
+    """The default (``compiled_copies="hooks"``): nothing goes through the ops; the eager
+    hooks around the compiled call see every saved tensor of the compiled function, the
+    layers' inputs too, so more moves than through the ops (which see intermediates
+    only), bit-identical all the same."""
+    reference = Decoder("dict")
+    model = copy.deepcopy(reference)
+    compile_blocks(reference, style, "aot_eager")
+    expected = [step(reference, seed) for seed in (1, 2)]
+    packed = graph_ops().packed
+    handle = offload_in_order(model, order, lambda m: compile_blocks(m, style, "aot_eager"), K)
+    actual = [step(model, seed) for seed in (1, 2)]
+    for want, got in zip(expected, actual):
+        assert_bit_identical(want, got)
+    assert graph_ops().packed == packed
+    # the up projection's input, its output and the gelu's, per offloaded layer and step
+    assert handle.offload_synchronizer.stats.tensors_offloaded == 3 * K * 2
+    handle.remove()
+
+
+def test_compiled_copies_takes_hooks_or_graph_ops():
+    with pytest.raises(ValueError) as raised:
+        offload_layers(Decoder("list"), K, compiled_copies="ops")
+    assert str(raised.value) == (
+        "offload_layers: compiled_copies must be 'hooks' (the default: layers compiled one "
+        "by one hand their saved tensors to hooks around the compiled call) or 'graph_ops' "
+        "(through ops inside the compiled graphs); got 'ops'."
+    )
 
 
 @pytest.mark.parametrize("mode", ["no_static", "all"])
@@ -221,7 +256,7 @@ def test_checkpoint_wrapped_layers_keep_the_eager_hooks_around_the_call(order):
     wrap_and_compile(reference)
     expected = [step(reference, seed) for seed in (1, 2)]
     packed = graph_ops().packed
-    handle = offload_in_order(model, order, wrap_and_compile, K)
+    handle = offload_in_order(model, order, wrap_and_compile, K, **GRAPH_OPS)
     actual = [step(model, seed) for seed in (1, 2)]
     for want, got in zip(expected, actual):
         assert_bit_identical(want, got)
@@ -250,7 +285,7 @@ def test_a_compiled_block_on_the_modeled_accelerator_overlaps_its_copies(data):
             if not data:
                 blocks.to("meta")
             x = torch.randn(rows, width, device="cpu" if data else "meta", requires_grad=True)
-            handle = offload_layers(blocks, K, min_offload_numel=0)
+            handle = offload_layers(blocks, K, min_offload_numel=0, **GRAPH_OPS)
             h = x
             for block in blocks:
                 h = block(h)

@@ -62,9 +62,9 @@ class Offload:
         self.handles.append(ctx)
         return ctx, sync_fn
 
-    def layers(self, modules: list[torch.nn.Module]) -> None:
+    def layers(self, modules: list[torch.nn.Module], **options: Any) -> None:
         if self.k is not None:
-            handle = offload_layers(modules, self.k, min_offload_numel=0)
+            handle = offload_layers(modules, self.k, min_offload_numel=0, **options)
             self.handles.append(handle.context)
 
     def policy(self, modules: list[torch.nn.Module], policy: list[str]) -> None:
@@ -708,12 +708,12 @@ class Stack(torch.nn.Module):
 
 
 def compiled_fullgraph_blocks(
-    style: str, order: str, compiled_backward: bool = False
+    style: str, order: str, compiled_backward: bool = False, copies: str = "hooks"
 ) -> Callable[[Offload], list[torch.Tensor]]:
     """Each layer compiled with fullgraph=True (aot_eager), ``in place``
     (block.compile(), torchtitan's apply_compile) or ``wrapped`` (torch.compile(block)
-    registered in its place), before or after offload_layers(model); two steps, the
-    second optionally under compiled autograd."""
+    registered in its place), before or after offload_layers(model, compiled_copies=
+    ``copies``); two steps, the second optionally under compiled autograd."""
 
     def compile_blocks(stack: Stack) -> None:
         for name, block in list(stack.layers.items()):
@@ -729,10 +729,10 @@ def compiled_fullgraph_blocks(
         torch.manual_seed(0)
         stack = Stack()
         if order == "offload first":
-            off.layers(stack)  # type: ignore[arg-type]
+            off.layers(stack, compiled_copies=copies)  # type: ignore[arg-type]
         compile_blocks(stack)
         if order == "compile first":
-            off.layers(stack)  # type: ignore[arg-type]
+            off.layers(stack, compiled_copies=copies)  # type: ignore[arg-type]
         grads = []
         for step in range(2):
             x = leaf(8, 4)
@@ -1648,6 +1648,13 @@ PROGRAMS = {
     "offload_layers on compiled layers": Row(compiled_layers_with_layer_hooks),
     **{
         f"fullgraph blocks compiled {style}, {order}": Row(compiled_fullgraph_blocks(style, order))
+        for style in ("in place", "wrapped")
+        for order in ("offload first", "compile first")
+    },
+    **{
+        f"fullgraph blocks compiled {style}, {order}, copies as graph ops": Row(
+            compiled_fullgraph_blocks(style, order, copies="graph_ops")
+        )
         for style in ("in place", "wrapped")
         for order in ("offload first", "compile first")
     },

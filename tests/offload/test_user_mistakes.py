@@ -130,7 +130,8 @@ def test_an_unknown_keyword_of_offload_layers_is_named_as_its_own():
         offload_layers(_stack(), 1, min_offload_size=1024)
     assert str(raised.value).startswith(
         "offload_layers() got an unexpected keyword argument 'min_offload_size'; it takes "
-        "num_offloaded_layers (k), policy=, memory_budget=, modules=, copy_bandwidth= and "
+        "num_offloaded_layers (k), policy=, memory_budget=, modules=, copy_bandwidth=, "
+        "compiled_copies= and "
         "these keywords of get_cpu_offload_context(): offload_activations,"
     )
 
