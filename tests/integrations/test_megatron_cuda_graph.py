@@ -26,23 +26,28 @@ import contextlib
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
-from helpers import load_example, modeled_device
+from helpers import load_example
 from hosts import require
+from megatron_graphs import (
+    DEVICE,
+    FLAVOUR_IDS,
+    FLAVOURS,
+    Moved,
+    Replays,
+    assert_replays_eager,
+    expected,
+    model_and_loss,
+    whole_step,
+)
 
 from cpu_offload.integrations import megatron as megatron_offload
 from cpu_offload.testing import timed_runtime
 from cpu_offload.testing.cuda_graphs import INVALIDATED, UNJOINED, UNSUPPORTED, CaptureError
 from cpu_offload.testing.modeled_cuda import modeled_graph_calls
-
-DEVICE = modeled_device()
-FLAVOURS = ["cuda", "npu"]
-#: (not "npu" alone: conftest skips tests with that keyword without an Ascend NPU)
-FLAVOUR_IDS = [f"modeled {flavour}" for flavour in FLAVOURS]
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +76,6 @@ class _TorchOnTheCpu(types.ModuleType):
     @staticmethod
     def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-
-def model_and_loss(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
-    """The step: Megatron's per-token loss, its mean, and the backward."""
-    tokens, positions, mask = batch
-    loss = model(tokens, positions, mask, labels=tokens).float().mean()
-    loss.backward()
-    return loss
 
 
 def megatrons_schedule(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
@@ -124,96 +121,16 @@ def step_on_the_cpu(monkeypatch):
     monkeypatch.setattr(schedules, "torch", _TorchOnTheCpu("torch"))
 
 
-def expected(example: Any, device: Any, data: list, step: Callable) -> list[list[torch.Tensor]]:
-    """Per batch: the loss and every parameter's gradient, eager, without offload."""
-    model, found = example.build(None, device), []
-    for batch in data:
-        model.zero_grad(set_to_none=True)
-        loss = step(model, batch)
-        found.append([loss.detach(), *(p.grad for p in model.parameters())])
-    return found
-
-
-def assert_equal(want: list[torch.Tensor], have: list[torch.Tensor]) -> None:
-    assert len(want) == len(have)
-    for a, b in zip(want, have):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-class Moved:
-    """The bytes a block moved each way on the runtime's copy engines."""
-
-    def __init__(self, live: Any) -> None:
-        self.live = live
-        self.start = dict(live.timeline.copied)
-
-    def since(self) -> tuple[int, int]:
-        copied = self.live.timeline.copied
-        return copied["d2h"] - self.start["d2h"], copied["h2d"] - self.start["h2d"]
-
-
-@dataclass
-class Replays:
-    """What the eager warm-up step and each replay moved and computed, the report
-    after them, and the strict simulator's hazards."""
-
-    eager: tuple[tuple[int, int], list[torch.Tensor]] | None = None
-    replays: list[tuple[tuple[int, int], list[torch.Tensor]]] = field(default_factory=list)
-    report: Any = None
-    hazards: int = -1
-
-
-def whole_step(megatron: Any, flavour: str, step: Callable, data: list) -> Replays:
-    """The offloading model's warm-up step eager, then the step captured whole by the
-    runtime's ``graph`` and replayed per batch, copied into the static one first."""
+def patched_gpt(megatron: Any, cuda_graph: Any = True) -> Callable[[], tuple[Any, Any]]:
+    """Builds the example's GPTModel offloading through ``patch(cuda_graph=...)``."""
     example, device = megatron
-    found = Replays()
-    with timed_runtime(DEVICE, flavour=flavour, data=True) as run:
-        live = run.live
-        with megatron_offload.patch(min_offload_numel=0, cuda_graph=True):
+
+    def build() -> tuple[Any, Any]:
+        with megatron_offload.patch(min_offload_numel=0, cuda_graph=cuda_graph):
             model = example.build(example.OFFLOADED, device)
-        for parameter in model.parameters():  # preallocated: the graph accumulates into them
-            parameter.grad = torch.zeros_like(parameter)
-        grads = [p.grad for p in model.parameters()]
-        static = [t.clone() for t in data[0]]
+        return model, model.decoder.offload_context
 
-        def captured_step() -> torch.Tensor:
-            for grad in grads:
-                grad.zero_()
-            return step(model, static)
-
-        moved = Moved(live)
-        loss = captured_step()
-        found.eager = moved.since(), [loss.detach().clone(), *(g.clone() for g in grads)]
-        graph = live.CUDAGraph()
-        moved = Moved(live)
-        with live.graph(graph, stream=live.Stream()):
-            static_loss = captured_step()
-        assert moved.since() == (0, 0)  # capture moves nothing
-        for batch in data:
-            for buffer, value in zip(static, batch):
-                buffer.copy_(value)
-            moved = Moved(live)
-            graph.replay()
-            values = [static_loss.detach().clone(), *(g.clone() for g in grads)]
-            found.replays.append((moved.since(), values))
-        found.report = model.decoder.offload_context.report()
-    found.hazards = live.strict.counters.hazards
-    return found
-
-
-def assert_replays_eager(found: Replays, want: list[list[torch.Tensor]]) -> None:
-    """The warm-up step and each replay compute eager's values without offload and
-    move the warm-up step's bytes; no strict hazard."""
-    assert found.eager is not None
-    (d2h, h2d), values = found.eager
-    assert d2h == h2d > 0
-    assert_equal(want[0], values)
-    assert len(found.replays) == len(want)
-    for (moved, values), wanted in zip(found.replays, want):
-        assert moved == (d2h, h2d)
-        assert_equal(wanted, values)
-    assert found.hazards == 0
+    return build
 
 
 @pytest.mark.parametrize("step", list(STEPS))
@@ -223,11 +140,10 @@ def test_a_whole_training_step_captured_replays_eager_values_and_bytes(
 ):
     example, device = megatron
     data = example.batches(device, 3)
-    want = expected(example, device, data, STEPS[step])
-    found = whole_step(megatron, flavour, STEPS[step], data)
+    want = expected(example.build(None, device), data, STEPS[step])
+    found = whole_step(flavour, patched_gpt(megatron), STEPS[step], data)
     assert_replays_eager(found, want)
-    steps = found.report.cuda_graph
-    assert (steps.captured, steps.replay, steps.warmup_steps) == (True, True, 1)
+    assert found.report.cuda_graph.warmup_steps == 1
 
 
 def test_megatrons_loss_check_inside_the_capture_is_refused(megatron, step_on_the_cpu):
@@ -246,7 +162,7 @@ def test_megatrons_loss_check_inside_the_capture_is_refused(megatron, step_on_th
 
     example, device = megatron
     with pytest.raises(CaptureError) as raised:
-        whole_step(megatron, "cuda", checked, example.batches(device, 1))
+        whole_step("cuda", patched_gpt(megatron), checked, example.batches(device, 1))
     # refused where it waits (bool(torch.isnan(loss)): Tensor.item()), which invalidates
     # the capture; ending it (torch.cuda.graph's exit) then says so
     assert raised.value.kind == INVALIDATED
@@ -353,11 +269,9 @@ def per_layer(megatron: Any, flavour: str, data: list, scope: Any = "layer") -> 
 def test_per_layer_graphs_of_megatrons_layers_replay_eager_values_and_bytes(megatron, flavour):
     example, device = megatron
     data = example.batches(device, 3)
-    want = expected(example, device, data, model_and_loss)
+    want = expected(example.build(None, device), data, model_and_loss)
     found = per_layer(megatron, flavour, data)
     assert_replays_eager(found, want)
-    steps = found.report.cuda_graph
-    assert (steps.captured, steps.replay, steps.captures) == (True, True, 1)
 
 
 def test_the_whole_step_schedule_under_per_layer_graphs_fails_with_cudas_error(megatron):
