@@ -38,6 +38,7 @@ from megatron_graphs import (
     FLAVOURS,
     Moved,
     Replays,
+    assert_equal,
     assert_replays_eager,
     expected,
     model_and_loss,
@@ -174,12 +175,14 @@ def test_megatrons_loss_check_inside_the_capture_is_refused(megatron, step_on_th
 class InContext(torch.nn.Module):
     """A ``TransformerLayer`` with the block's offload context entered inside: what a
     per-layer graph must hold (the block enters it around the layer's call, outside
-    any graph of the layer)."""
+    any graph of the layer).  ``inside=False``: the layer alone, as Megatron graphs it."""
 
-    def __init__(self, layer: torch.nn.Module, block: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, block: torch.nn.Module, inside: bool) -> None:
         super().__init__()
         self.layer = layer
         self.ctx, self.commit = block.offload_context, block.group_prefetch_offload_commit_async
+        if not inside:
+            self.ctx, self.commit = contextlib.nullcontext(), lambda output: output
 
     def forward(
         self,
@@ -215,10 +218,13 @@ class GraphedLayer(torch.nn.Module):
         return self.graphed(hidden_states, attention_mask, rotary_pos_emb), context
 
 
-def per_layer(megatron: Any, flavour: str, data: list, scope: Any = "layer") -> Replays:
+def per_layer(
+    megatron: Any, flavour: str, data: list, scope: Any = "layer", inside: bool = True
+) -> Replays:
     """An eager warm-up step through the block's own loop, then every layer's forward
     and backward captured by ``make_graphed_callables`` and a step per batch through
-    the graphed layers (in the block's loop)."""
+    the graphed layers (in the block's loop, which enters the context around them when
+    not ``inside``)."""
     example, device = megatron
     found = Replays()
     arguments: dict[str, Any] = {}
@@ -241,7 +247,8 @@ def per_layer(megatron: Any, flavour: str, data: list, scope: Any = "layer") -> 
         values = step(data[0])
         found.eager = moved.since(), values
         hook.remove()
-        callables = tuple(InContext(layer, block) for layer in block.layers)
+        callables = tuple(InContext(layer, block, inside) for layer in block.layers)
+        reports = block.offload_context
         hidden = arguments["hidden_states"]
         samples = tuple(
             (
@@ -252,15 +259,15 @@ def per_layer(megatron: Any, flavour: str, data: list, scope: Any = "layer") -> 
             for _ in callables
         )
         graphed = torch.cuda.make_graphed_callables(callables, samples, num_warmup_iters=0)
-        # the context now runs inside each layer's graphs; the block's loop enters none
-        block.offload_context = contextlib.nullcontext()
-        block.group_prefetch_offload_commit_async = None
+        if inside:  # the context runs inside each layer's graphs; the block's loop enters none
+            block.offload_context = contextlib.nullcontext()
+            block.group_prefetch_offload_commit_async = None
         block.layers = torch.nn.ModuleList(GraphedLayer(g) for g in graphed)
         for batch in data:
             moved = Moved(live)
             values = step(batch)
             found.replays.append((moved.since(), values))
-        found.report = callables[0].ctx.report()
+        found.report = reports.report()
     found.hazards = live.strict.counters.hazards
     return found
 
@@ -272,6 +279,24 @@ def test_per_layer_graphs_of_megatrons_layers_replay_eager_values_and_bytes(mega
     want = expected(example.build(None, device), data, model_and_loss)
     found = per_layer(megatron, flavour, data)
     assert_replays_eager(found, want)
+
+
+def test_the_blocks_context_around_graphed_layers_moves_nothing(megatron):
+    """Graphed as Megatron graphs them (the layer alone, its block entering the context
+    around the graphed call), a layer saves nothing for its backward that the context
+    sees: its activations stay in the graph's memory.  Replays compute eager's values
+    and move nothing, and the report shows no captured step: why the context goes
+    inside each graphed callable (docs/megatron.md)."""
+    example, device = megatron
+    data = example.batches(device, 3)
+    want = expected(example.build(None, device), data, model_and_loss)
+    found = per_layer(megatron, "cuda", data, inside=False)
+    assert found.eager is not None and found.eager[0][0] > 0  # the warm-up step offloads
+    for (moved, values), wanted in zip(found.replays, want):
+        assert moved == (0, 0)
+        assert_equal(wanted, values)
+    steps = found.report.cuda_graph
+    assert (steps.captured, steps.warmup_steps) == (False, 1 + len(data))
 
 
 def test_the_whole_step_schedule_under_per_layer_graphs_fails_with_cudas_error(megatron):
