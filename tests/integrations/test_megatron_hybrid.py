@@ -2,7 +2,8 @@
 
 The shared environment pins megatron-core 0.16.1, which has no HybridModel: there these
 tests skip.  .ci/run installs megatron-core 0.19.2 into a git-ignored folder and runs this
-file (and tests/integrations/test_megatron.py) with it on ``PYTHONPATH``.
+file (and tests/integrations/test_megatron.py, test_megatron_cuda_graph.py) with it on
+``PYTHONPATH``.
 
 The library's own ``hybrid_stack_spec`` is built from TransformerEngine modules, and its
 Mamba layers need ``mamba_ssm``: neither is on a CPU.  :func:`local_hybrid_stack_spec`
@@ -19,6 +20,14 @@ import pytest
 import torch
 from helpers import load_example, saved_bytes_per_layer
 from hosts import require
+from megatron_graphs import (
+    FLAVOUR_IDS,
+    FLAVOURS,
+    assert_replays_eager,
+    expected,
+    model_and_loss,
+    whole_step,
+)
 
 from cpu_offload import offload_layers
 from cpu_offload.integrations import megatron as megatron_offload
@@ -248,3 +257,27 @@ def test_patch_does_nothing_on_a_hybrid_model_and_says_so(megatron, monkeypatch)
         warnings.simplefilter("always")
         hybrid_model(device, **offloading)
     assert not [w for w in caught if str(w.message).startswith("cpu_offload")]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS, ids=FLAVOUR_IDS)
+def test_a_whole_step_of_a_hybrid_model_captured_replays_eager_values_and_bytes(megatron, flavour):
+    """0.19's full-iteration graphs (``cuda_graph_impl="full_iteration"``, which
+    ``TransformerConfig`` accepts beside offloading) around a HybridModel offloaded by
+    ``offload_layers(cuda_graph=True)``: the step captured once on the modeled
+    accelerator after an eager warm-up step and replayed per batch computes eager's loss
+    and gradients without offload, each replay moving the warm-up step's bytes."""
+    example, device = megatron
+    data = example.batches(device, 3)
+    full_iteration = dict(cuda_graph_impl="full_iteration")
+    want = expected(hybrid_model(device, **full_iteration), data, model_and_loss)
+    saved = saved_bytes_per_layer(hybrid_model(device), data)
+
+    def build() -> tuple[torch.nn.Module, object]:
+        model = hybrid_model(device, **full_iteration)
+        return model, offload_layers(model, 2, min_offload_numel=0, cuda_graph=True)
+
+    found = whole_step(flavour, build, model_and_loss, data)
+    assert_replays_eager(found, want)
+    assert found.report.cuda_graph.warmup_steps == 1
+    assert found.eager is not None  # most of what the 2 layers save moves, every step
+    assert found.eager[0][0] >= 0.9 * sum(saved[:2]), (found.eager[0], saved)
