@@ -35,6 +35,7 @@ __all__ = [
     "distributed_setup",
     "get_backend",
     "override_host_backend",
+    "pinned_memory_stats",
     "supports_fp8_matmul",
 ]
 
@@ -246,6 +247,15 @@ def _runtime_module(device_type: str) -> Any:
                 "install them (pip install 'cpu-offload[npu]') or choose another device."
             ) from error
     return getattr(torch, device_type)
+
+
+def pinned_memory_stats(device_type: str) -> dict[str, int] | None:
+    """torch's pinned (host) allocator statistics for ``device_type``'s runtime
+    (``host_memory_stats()``: ``allocated_bytes.current``, ``num_host_alloc``, ...), or
+    ``None`` where the runtime reports none."""
+    runtime = getattr(torch, device_type, None)
+    stats = getattr(runtime, "host_memory_stats", None)
+    return None if stats is None else dict(stats())
 
 
 def available_device_type() -> str:

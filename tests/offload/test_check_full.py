@@ -12,8 +12,11 @@ from cpu_offload import check, check_full
 SIMULATED = {
     "llama8b-layer benchmark",
     "peers' rows",
+    "sliced reloads, on-demand layers and per-tensor release (peak and step)",
     "keep_passes and ZB-V, 2-rank pipeline",
     "32 x 8k at k = 24",
+    "host pool vs host_memory_stats()",
+    "compile: fullgraph blocks",
 }
 
 
@@ -34,6 +37,12 @@ def test_full_simulated_runs_every_row_it_can_and_says_what_the_others_need(tmp_
     assert by_name["pinned rounding vs host_memory_stats()"]["figure"] == (
         "modeled: 600 MiB pinned holds 1024 MiB"
     )
+    reloads = by_name["sliced reloads, on-demand layers and per-tensor release (peak and step)"]
+    assert reloads["figure"].startswith("k=6 of 8 at 8k, peak and step: plain: ")
+    assert "layer 0 on demand: " in reloads["figure"]
+    assert "torch 448.0 MiB" in by_name["host pool vs host_memory_stats()"]["figure"]
+    assert "bit-identical" in by_name["compile: fullgraph blocks"]["figure"]
+    assert by_name["cuda_graph: a captured step"]["figure"] == "owed until cuda_graph=True exists"
     out = capsys.readouterr().out
     assert "| check (modeled h100) | status | figure | needs |" in out
     assert out.count("| PASS |") == len(SIMULATED)

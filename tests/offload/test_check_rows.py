@@ -1,0 +1,39 @@
+"""The rows of ``check --full`` that run in process (cpu_offload/check_rows.py) fail where
+what they measure does not hold."""
+
+from __future__ import annotations
+
+import contextlib
+
+from cpu_offload import check_rows
+
+
+def test_the_reloads_row_fails_when_the_release_one_by_one_saves_nothing(monkeypatch):
+    """Without the hold as its baseline, the plain policy's peak equals the baseline's:
+    the row says FAIL and which criterion failed."""
+    monkeypatch.setattr(check_rows, "layers_hold_their_reloads", contextlib.nullcontext)
+    status, figure = check_rows.reloads("cpu", "h100")
+    assert status == "FAIL"
+    assert figure.endswith("(one by one not below the hold)"), figure
+
+
+def test_the_reloads_row_needs_a_device_or_the_model():
+    assert check_rows.reloads("cpu", None) == (
+        "NOT RUN",
+        "peak device memory needs a GPU or NPU (else --simulate)",
+    )
+
+
+def test_the_compile_row_fails_when_the_offloaded_program_differs(monkeypatch):
+    """A compiled program that offloads and computes something else (the gradients of a
+    scaled loss) is a FAIL, as a difference in the last bit would be."""
+    gradients = check_rows._gradients
+    calls = []
+
+    def scaled(model, x):
+        calls.append(model)
+        return [g * 2 if len(calls) > 2 else g for g in gradients(model, x)]
+
+    monkeypatch.setattr(check_rows, "_gradients", scaled)
+    status, figure = check_rows.compiled_blocks("cpu", None)
+    assert status == "FAIL" and "DIFFER from the compiled program" in figure, figure
