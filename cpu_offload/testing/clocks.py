@@ -20,6 +20,8 @@ NOTE [Modeled clocks]
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +78,8 @@ class Timeline:
         host_log: ``(start, end, what)`` of each host stall.
         copied: bytes per direction (``"d2h"``, ``"h2d"``, ``"d2d"``).
         phase: the program's name for the part of the step it is in (``TimedReport.begin``).
+        capture: the CUDA graph capture under way, which records the work of its
+            streams instead (NOTE [Modeled CUDA graphs] in cuda_graphs.py), or None.
     """
 
     def __init__(self, profile: DeviceProfile, record: bool = True) -> None:
@@ -89,6 +93,7 @@ class Timeline:
         self.host_log: list[tuple[float, float, str]] = []
         self.copied = {"d2h": 0, "h2d": 0, "d2d": 0}
         self.phase = ""
+        self.capture: Any = None
         self._issue = profile.host_issue_s
         self._launch = profile.launch_s
 
@@ -107,6 +112,9 @@ class Timeline:
 
     def kernel(self, stream: StreamClock, seconds: float, what: Any) -> float:
         """A kernel of ``seconds`` on ``stream``; returns its start."""
+        if self.capture is not None and stream in self.capture.streams:
+            self.capture.kernel(stream, seconds, what)
+            return self.now(stream)
         start = self._start(stream)
         stream.time = start + seconds
         stream.busy_s += seconds
@@ -119,6 +127,9 @@ class Timeline:
     ) -> float:
         """A copy of ``nbytes`` on ``stream`` (``direction`` ``"d2h"``, ``"h2d"`` or
         ``"d2d"``); a pageable one holds the host until it completes.  Returns its start."""
+        if self.capture is not None and stream in self.capture.streams:
+            self.capture.copy(stream, direction, nbytes, what)
+            return self.now(stream)
         profile = self.profile
         start = self._start(stream)
         if direction == "d2d":  # read and write device memory
@@ -160,6 +171,17 @@ class Timeline:
             if self.record:
                 self.host_log.append((self.host, time, what))
             self.host = time
+
+    @contextlib.contextmanager
+    def graph_launch(self) -> Iterator[None]:
+        """One graph launch: the host pays for one issue, and none for the work the
+        block re-issues."""
+        self.host += self._issue
+        issue, self._issue = self._issue, 0.0
+        try:
+            yield
+        finally:
+            self._issue = issue
 
     def now(self, stream: StreamClock) -> float:
         """Where ``stream`` is when the host issues to it now: the time new work on it

@@ -24,6 +24,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,7 +42,17 @@ ROUND = 512
 class Block:
     """One storage the model tracks: device memory, or host memory (pinned or pageable)."""
 
-    __slots__ = ("size", "stream", "host", "pinned", "recorded", "finalizer", "what", "uses")
+    __slots__ = (
+        "size",
+        "stream",
+        "host",
+        "pinned",
+        "recorded",
+        "finalizer",
+        "what",
+        "uses",
+        "pool",
+    )
 
     def __init__(self, size: int, stream: StreamClock, host: bool, pinned: bool) -> None:
         self.size = size
@@ -52,6 +63,7 @@ class Block:
         self.finalizer: weakref.finalize | None = None
         self.what = ""  # the tensor it was allocated for, described
         self.uses: dict[Hashable, Use] = {}  # other streams' last work on it
+        self.pool: Any = None  # the CUDA graph pool it came from (cuda_graphs.GraphPool)
 
 
 @dataclass(frozen=True)
@@ -114,17 +126,23 @@ class DeviceMemory:
         block = Block(held, stream, host, pinned)
         if not host:
             block.what = f"a tensor (shape {tuple(tensor.shape)}, dtype {tensor.dtype})"
-            self.pools.allocate(stream, size, block.what, stream.name)
+            capture = self.timeline.capture
+            if capture is not None:
+                block.pool = capture.allocation(stream, block.what)
+            if block.pool is None:
+                self.pools.allocate(stream, size, block.what, stream.name)
         self.blocks[key] = block
         block.finalizer = weakref.finalize(storage, self._died, key)
         block.finalizer.atexit = False
         if host:
             self.host_allocated += block.size
             self.host_peak = max(self.host_peak, self.host_allocated)
+        elif block.pool is not None:  # device memory counts the pool's reserve
+            block.pool.take(block.size, time)
         else:
             if self.deferred:
                 self.poll()
-            self._change(block.size, time)
+            self.change(block.size, time)
 
     def record_stream(self, tensor: torch.Tensor, stream_id: int) -> None:
         """``tensor.record_stream(stream)``: its block waits for that stream when freed."""
@@ -139,6 +157,9 @@ class DeviceMemory:
             if block.pinned:
                 self.pinned.release(block.size)
         if block is None or block.host or self.closed:
+            return
+        if block.pool is not None:  # back to the graph's pool, which keeps its reserve
+            block.pool.give(block.size, self.timeline.now(block.stream))
             return
         if block.recorded:
             # The allocator returns the block once the recorded streams' work issued
@@ -158,10 +179,15 @@ class DeviceMemory:
         self._release(block)
 
     def _release(self, block: Block) -> None:
-        self._change(-block.size, self.timeline.now(block.stream))
+        self.change(-block.size, self.timeline.now(block.stream))
         self.pools.free(
             block.stream, FreedBlock(block.size, block.stream.name, block.what, block.uses)
         )
+
+    def in_graph_pool(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory came from a CUDA graph's pool."""
+        block = self.block(tensor)
+        return block is not None and block.pool is not None
 
     def use(self, tensor: object, clock: StreamClock, seq: int, op: str) -> None:
         """Work at ``seq`` on ``clock``'s stream reads or writes ``tensor``: noted on its
@@ -183,7 +209,7 @@ class DeviceMemory:
                 waiting.append((ready, block))
         self.deferred = waiting
 
-    def _change(self, nbytes: int, time: float) -> None:
+    def change(self, nbytes: int, time: float) -> None:
         allocated = self.allocated = self.allocated + nbytes
         if allocated > self.peak_since_reset:
             self.peak_since_reset = allocated

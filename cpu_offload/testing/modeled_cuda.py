@@ -3,8 +3,11 @@
 NOTE [Modeled cuda]
     Inside :func:`modeled_cuda` (entered within ``timed_runtime``, shapes only), a program
     that was written for a GPU runs as it is: ``torch.cuda.Stream``, ``Event``,
-    ``stream()``, ``current_stream``, ``default_stream``, ``synchronize`` and
-    ``is_available`` are the :class:`~cpu_offload.testing.TimedRuntime`'s, as are
+    ``stream()``, ``current_stream``, ``default_stream``, ``synchronize``,
+    ``is_available`` and CUDA graphs (``CUDAGraph``, ``graph``, ``graph_pool_handle``,
+    ``is_current_stream_capturing``, with torch's own ``make_graphed_callables`` on
+    them: NOTE [Modeled CUDA graphs]) are the
+    :class:`~cpu_offload.testing.TimedRuntime`'s, as are
     ``torch.accelerator.current_accelerator`` and the random-state calls that
     checkpointing makes.  Device memory is meta memory that *says* it is on ``"cuda"``:
     ``Tensor.device`` (and ``is_cuda``) of a meta tensor that is not modeled host memory
@@ -72,6 +75,8 @@ class _Operators(TorchDispatchMode):
         """``.item()`` of device memory: the host waits for it, and a truth value reads
         True (shapes only, there is no value: a mask's ``.all()`` holds)."""
         runtime = self.runtime
+        if runtime.timeline.capture is not None:
+            runtime.timeline.capture.sync("Tensor.item()", runtime.current.clock)
         runtime.host_wait(runtime.current.clock.time, "reading a value from the device")
         if tensor.dtype != torch.bool:
             raise RuntimeError(
@@ -145,7 +150,7 @@ def _runtime_functions(runtime: TimedRuntime) -> dict[str, Any]:
         "default_stream": default_stream,
         "synchronize": runtime.synchronize,
         "is_available": lambda: True,
-        "is_current_stream_capturing": lambda: False,  # no CUDA graphs in the model yet
+        "empty_cache": lambda: None,  # the model's allocator holds no reserve to give back
         # the pinned allocator's setting and cache are the run's, never the process's
         "exact_pinned_sizes": runtime.exact_pinned_sizes,
         "empty_pinned_cache": runtime.empty_pinned_cache,
@@ -161,6 +166,18 @@ def _runtime_functions(runtime: TimedRuntime) -> dict[str, Any]:
         "reset_peak_memory_stats": runtime.reset_peak_memory_stats,
         "get_rng_state": lambda device="cuda": torch.empty(0, dtype=torch.uint8),
         "set_rng_state": lambda state, device="cuda": None,
+    }
+
+
+def _graphs(runtime: TimedRuntime) -> dict[str, Any]:
+    """CUDA graphs (NOTE [Modeled CUDA graphs]): the runtime's ``CUDAGraph`` and pools
+    under torch's own ``graph`` and ``make_graphed_callables``, which run unchanged (a
+    ``graph`` of this run's, whose default capture stream is one of the run's streams)."""
+    return {
+        "CUDAGraph": runtime.CUDAGraph,
+        "graph": type("graph", (torch.cuda.graphs.graph,), {"default_capture_stream": None}),
+        "graph_pool_handle": runtime.graph_pool_handle,
+        "is_current_stream_capturing": runtime.is_current_stream_capturing,
     }
 
 
@@ -234,8 +251,11 @@ def modeled_cuda(runtime: TimedRuntime) -> Iterator[None]:
         "synchronize": runtime.synchronize,
     }
     tensor = {"device": property(device), "is_cuda": property(is_cuda), **_moves(is_host)}
+    graphs = _graphs(runtime)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(torch.cuda, cuda))
+        stack.enter_context(_patched(torch.cuda, {**cuda, **graphs}))
+        stack.enter_context(_patched(torch.cuda.graphs, graphs))
+        stack.enter_context(_patched(torch._C, {"_host_emptyCache": runtime.empty_pinned_cache}))
         stack.enter_context(_patched(torch.accelerator, accelerator))
         stack.enter_context(_patched(torch.Tensor, tensor))
         stack.enter_context(_patched(torch, _constructors()))

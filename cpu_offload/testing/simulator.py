@@ -97,8 +97,8 @@ class ComputeWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         sim = self.sim
-        if sim.suspend_depth or getattr(func, "is_view", False):
-            return func(*args, **kwargs)  # views touch metadata, not data
+        if sim.suspend_depth or sim.unwatched or getattr(func, "is_view", False):
+            return func(*args, **kwargs)  # views touch metadata, not data; a graph capture
         if sim.current is not sim.compute:
             return sim.run_on_side_stream(func, args, kwargs)
         flat_args, _ = tree_flatten((args, kwargs))
@@ -153,6 +153,7 @@ class SimulatedBackend(DeviceBackend):
         self.pending_writes: Counter[int] = Counter()
         self.torn: set[int | None] = set()  # storages holding torn data (NOTE [Torn copies])
         self.suspend_depth = 0
+        self.unwatched = False  # a CUDA graph capture runs (NOTE [Modeled CUDA graphs])
         #: held while queued copies run or are queued (NOTE [Threads])
         self.lock = threading.RLock()
         self._current = threading.local()

@@ -38,6 +38,8 @@ from ..device.pinned_sizes import THRESHOLD_MB
 from ..device.profiles import DeviceProfile, get_profile
 from ..device.runtime import StreamBackend, override_host_backend
 from .clocks import Timeline
+from .cuda_graph_api import graph_api
+from .cuda_graphs import GraphPool
 from .device_memory import DeviceMemory, MemoryMark
 from .runtime import FLAVOURS, SyncDebugMode
 from .simulator import ComputeWatch, SimulatedBackend, SimulatedEvent
@@ -83,6 +85,10 @@ class TimedRuntime(SyncDebugMode):
         self.order = self.memory.order  # what each stream's work is ordered after
         self.compute = self._stream("compute", True, strict.compute if strict else None)
         self.current = self.compute
+        # CUDA graphs (NOTE [Modeled CUDA graphs]): torch.cuda.CUDAGraph and graph
+        self.CUDAGraph, self.graph = graph_api(self)
+        self.graph_pools: dict[tuple[int, int], GraphPool] = {}
+        self.replaying = False  # a data-mode replay re-executes its operators uncharged
 
     def _stream(self, name: str, is_compute: bool, inner: Any) -> TimedStream:
         stream = TimedStream(self, self.timeline.new_stream(name, is_compute), inner)
@@ -94,8 +100,15 @@ class TimedRuntime(SyncDebugMode):
         inner = self.strict.new_stream() if self.strict is not None else None
         return self._stream(f"side stream {len(self.clocks)}", False, inner)
 
-    def Event(self, enable_timing: bool = False) -> TimedEvent:  # noqa: N802
-        return TimedEvent(self, SimulatedEvent(self.strict) if self.strict is not None else None)
+    def Event(  # noqa: N802
+        self,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
+        external: bool = False,
+    ) -> TimedEvent:
+        inner = SimulatedEvent(self.strict) if self.strict is not None else None
+        return TimedEvent(self, inner, external)
 
     def current_stream(self, device: Any = None) -> TimedStream:
         return self.current
@@ -127,6 +140,12 @@ class TimedRuntime(SyncDebugMode):
                 self.strict.current = previous.inner
 
     def wait_event(self, stream: TimedStream, event: TimedEvent) -> None:
+        capture = self.timeline.capture
+        if capture is not None and capture.wait(stream, event):
+            self.order.wait(stream.clock, event.stamp)
+            return
+        if event.captured is not None:  # recorded in a capture that has ended
+            raise event.captured[0].used_after(f"a wait by {stream.clock.name}")
         source = event.stream
         if source is not None and source is not stream:
             self.timeline.wait(stream.clock, event.time, f"wait for {source.clock.name}")
@@ -135,6 +154,8 @@ class TimedRuntime(SyncDebugMode):
             self.strict.wait_event(stream.inner, event.inner)
 
     def synchronize(self, device: Any = None) -> None:
+        if self.timeline.capture is not None:
+            self.timeline.capture.sync("torch.cuda.synchronize()", None)
         self.host_wait(self.timeline.end(), "synchronize()")
         self.order.host_saw_all()
         if self.strict is not None:
@@ -146,6 +167,27 @@ class TimedRuntime(SyncDebugMode):
         self.timeline.host_wait(time, what)
         if self.memory.deferred:
             self.memory.poll()
+
+    # -- CUDA graphs (NOTE [Modeled CUDA graphs]; CUDAGraph and graph are set in __init__)
+    def is_current_stream_capturing(self) -> bool:
+        """Whether the current stream is capturing (an invalidated capture still is)."""
+        capture = self.timeline.capture
+        return capture is not None and self.current.clock in capture.streams
+
+    def graph_pool_handle(self) -> tuple[int, int]:
+        """A new memory pool's id, for graphs to share (``pool=``)."""
+        handle = (0, len(self.graph_pools) + 1)
+        self.graph_pool(handle)
+        return handle
+
+    def graph_pool(self, handle: tuple[int, int] | None) -> GraphPool:
+        """The pool of ``handle`` (a new one for None)."""
+        if handle is None:
+            handle = (len(self.graph_pools) + 1, 0)
+        pool = self.graph_pools.get(handle)
+        if pool is None:
+            pool = self.graph_pools[handle] = GraphPool(handle, self.memory.change)
+        return pool
 
     # -- the device
     def is_available(self) -> bool:
@@ -202,10 +244,15 @@ class TimedRuntime(SyncDebugMode):
         pinned = host_block is not None and host_block.pinned
         if self.flavour == "npu" and not (dst.is_contiguous() and src.is_contiguous()):
             pinned = False  # torch_npu stages it through pageable memory
-        self.transfer(direction, memory_bytes(src), pinned)
+        self.transfer(direction, memory_bytes(src), pinned, (dst, src))
 
-    def transfer(self, direction: str, nbytes: int, pinned: bool) -> None:
-        """A copy of ``nbytes`` on the current stream (``"d2h"``, ``"h2d"``, ``"d2d"``)."""
+    def transfer(self, direction: str, nbytes: int, pinned: bool, tensors: Any = ()) -> None:
+        """A copy of ``nbytes`` on the current stream (``"d2h"``, ``"h2d"``, ``"d2d"``)
+        between ``tensors`` (destination first, when known)."""
+        capture = self.timeline.capture
+        if capture is not None:
+            capture.transfer(self.current.clock, direction, pinned)
+            capture.issue(self.current.clock, f"a {direction} copy", tensors, tensors[:1])
         if direction != "d2d" and not pinned:
             self._on_sync(f"a {direction} copy with pageable memory")
         clock = self.current.clock
@@ -235,6 +282,8 @@ class OpTiming(TorchDispatchMode):
         strict = runtime.strict
         if (strict is not None and strict.suspend_depth) or func.is_view or func in ALIASES:
             return func(*args, **kwargs)  # the simulator's own copies; metadata only
+        if runtime.replaying:  # a graph's replay: its record is charged (cuda_graph_api.py)
+            return func(*args, **kwargs)
         if func is aten.record_stream.default:
             runtime.memory.record_stream(args[0], args[1].stream_id)
             return None
@@ -251,6 +300,8 @@ class OpTiming(TorchDispatchMode):
             memory.use(args[1], clock, seq, "copy from")
             return func(*args, **kwargs)
         if func is aten._local_scalar_dense.default:  # .item(): the host waits for the value
+            if timeline.capture is not None:
+                timeline.capture.sync("Tensor.item()", clock)
             runtime.host_wait(clock.time, "reading a value from the device")
             memory.order.host_saw(memory.order.stamp(clock))
         out = func(*args, **kwargs)
@@ -266,12 +317,16 @@ class OpTiming(TorchDispatchMode):
         source = memory.block(args[0]) if placed and func is aten._to_copy.default else None
         if source is not None and source.host != host:  # .to("cpu"), .to(device): a copy
             side = source.pinned if source.host else pinned
-            runtime.transfer("h2d" if source.host else "d2h", memory_bytes(args[0]), side)
+            runtime.transfer(
+                "h2d" if source.host else "d2h", memory_bytes(args[0]), side, (out, args[0])
+            )
         elif source is None and placed and func is aten._to_copy.default and host:  # to the host
-            runtime.transfer("d2h", memory_bytes(args[0]), pinned)
+            runtime.transfer("d2h", memory_bytes(args[0]), pinned, (out, args[0]))
         elif not host:
             cost = kernel_cost(func, args, kwargs, out, inputs, outputs)
         if cost is not None:
+            if timeline.capture is not None:
+                timeline.capture.issue(clock, func, [*inputs, *outputs], outputs)
             start = timeline.kernel(clock, runtime.profile.kernel_seconds(*cost), func)
         else:
             start = timeline.now(clock)

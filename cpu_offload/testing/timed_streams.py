@@ -69,12 +69,17 @@ class TimedStream(torch.Stream):
         return event
 
     def synchronize(self) -> None:
-        self.runtime.host_wait(self.clock.time, f"{self.clock.name}.synchronize()")
+        what = f"{self.clock.name}.synchronize()"
+        if self.runtime.timeline.capture is not None:
+            self.runtime.timeline.capture.sync(what, self.clock)
+        self.runtime.host_wait(self.clock.time, what)
         self.runtime.order.host_saw(self.runtime.order.stamp(self.clock))
         if self.inner is not None:
             self.inner.synchronize()
 
     def query(self) -> bool:
+        if self.runtime.timeline.capture is not None:
+            self.runtime.timeline.capture.sync(f"{self.clock.name}.query()", self.clock)
         return self.clock.time <= self.runtime.timeline.host
 
     def __repr__(self) -> str:
@@ -88,17 +93,25 @@ class TimedEvent:
     Args:
         runtime: the runtime it belongs to.
         inner: the strict simulator's event it drives, in the data mode (else None).
+        external: ``Event(external=True)``: captured as record and wait nodes of a graph,
+            which may cross a capture's boundary (NOTE [Modeled CUDA graphs]).
     """
 
-    def __init__(self, runtime: Runtime, inner: Any = None) -> None:
+    def __init__(self, runtime: Runtime, inner: Any = None, external: bool = False) -> None:
         self.runtime = runtime
         self.inner = inner
+        self.external = external
+        self.captured: tuple[Any, int] | None = None  # (capture, record) when recorded in one
         self.stream: TimedStream | None = None
         self.time = 0.0
         self.stamp: dict[Any, int] = {}  # what work completes before it (StreamOrder)
 
     def record(self, stream: TimedStream | None = None) -> None:
         stream = stream if stream is not None else self.runtime.current
+        capture = self.runtime.timeline.capture
+        if capture is not None and capture.record(self, stream.clock):
+            return  # a point of the graph: the event's own time is left as it was
+        self.captured = None
         self.stream = stream
         self.time = self.runtime.timeline.now(stream.clock)
         self.stamp = self.runtime.order.stamp(stream.clock)
@@ -106,12 +119,20 @@ class TimedEvent:
             self.inner.record(stream.inner)
 
     def synchronize(self) -> None:
+        if self.runtime.timeline.capture is not None:
+            self.runtime.timeline.capture.event_sync("event.synchronize()", self)
+        elif self.captured is not None:  # recorded in a capture that has ended
+            raise self.captured[0].used_after("event.synchronize()")
         self.runtime.host_wait(self.time, "event.synchronize()")
         self.runtime.order.host_saw(self.stamp)
         if self.inner is not None:
             self.inner.synchronize()
 
     def query(self) -> bool:
+        if self.runtime.timeline.capture is not None:
+            self.runtime.timeline.capture.event_sync("event.query()", self)
+        elif self.captured is not None:  # recorded in a capture that has ended
+            raise self.captured[0].used_after("event.query()")
         return self.stream is None or self.time <= self.runtime.timeline.host
 
     elapsed_time = HostTimingEvent.elapsed_time  # milliseconds from this event to ``end``
