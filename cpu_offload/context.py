@@ -16,6 +16,8 @@ from .engine.layer_context import OffloadContext
 from .engine.manual_synchronizer import ManualOffloadSynchronizer
 from .engine.reload_slices import check_on_demand, check_slice_bytes
 from .engine.synchronizer import DefaultOffloadSynchronizer
+from .graphs.graph_options import check_cuda_graph
+from .graphs.graph_synchronizer import GraphSynchronizer
 from .hooks.selection import DEFAULT_MIN_OFFLOAD_NUMEL
 from .log import logger, warn
 
@@ -97,6 +99,7 @@ def get_cpu_offload_context(
     keep_passes: int | None = ...,
     reload_slice_bytes: int | None = ...,
     reload_on_demand_layers: Sequence[int] = ...,
+    cuda_graph: bool | str = ...,
 ) -> tuple[ContextManager, SyncFn]: ...
 
 
@@ -118,6 +121,7 @@ def get_cpu_offload_context(
     max_host_bytes: int | str | None = ...,
     reload_slice_bytes: int | None = ...,
     reload_on_demand_layers: Sequence[int] = ...,
+    cuda_graph: bool | str = ...,
 ) -> tuple[ContextManager, SyncFn, ManualOffloadSynchronizer | None]: ...
 
 
@@ -141,6 +145,7 @@ def get_cpu_offload_context(
     keep_passes: int | None = ...,
     reload_slice_bytes: int | None = ...,
     reload_on_demand_layers: Sequence[int] = ...,
+    cuda_graph: bool | str = ...,
 ) -> _Result: ...
 
 
@@ -163,6 +168,7 @@ def get_cpu_offload_context(
     keep_passes: int | None = None,
     reload_slice_bytes: int | None = None,
     reload_on_demand_layers: Sequence[int] = (),
+    cuda_graph: bool | str = False,
 ) -> _Result:
     """Offload the activations of chosen layers to host memory.
 
@@ -212,12 +218,21 @@ def get_cpu_offload_context(
             the layers where the step peaks, so that a prefetched slice does not land on
             the peak (NOTE [Slices at the peak]; ``choose_policy``'s plan names them).
             Default: none.
+        cuda_graph: run inside CUDA graphs: ``True`` (or ``"step"``) where one graph
+            captures a whole step (forward and backward; copies overlap compute as in
+            eager), ``"layer"`` where each layer's forward and backward is a graph of its
+            own (``make_graphed_callables`` per layer; a layer's copies finish in its own
+            graphs).  Host buffers are kept per layer, fixed; outside a capture the context
+            runs as eager.  Not with manual synchronization, ``keep_passes`` or
+            ``reload_slice_bytes`` (NOTE [Graph shapes] in graphs/graph_options.py).
+            Default False: a layer entered under capture raises ``CpuOffloadError``.
 
     Returns:
         ``(context, sync_fn)``, or ``(context, sync_fn, controller)`` in manual mode.
 
     Raises:
         ValueError: for an inconsistent configuration.
+        TypeError: ``cuda_graph`` is not a bool, ``"step"`` or ``"layer"``.
 
     Example:
         >>> import torch
@@ -241,6 +256,8 @@ def get_cpu_offload_context(
     )
     del double_buffering  # accepted for compatibility
     api = "get_cpu_offload_context"
+    per_step = {"manual_synchronization": manual_synchronization, "keep_passes": keep_passes}
+    scope = check_cuda_graph(cuda_graph, api, reload_slice_bytes=reload_slice_bytes, **per_step)
     slice_bytes = check_slice_bytes(reload_slice_bytes, api)
     on_demand = check_on_demand(reload_on_demand_layers, slice_bytes, model_layers, api)
     if offloaded_layers is not None:
@@ -287,7 +304,7 @@ def get_cpu_offload_context(
         manual = OffloadContext(controller)
         logger.info("get_cpu_offload_context: %r", manual)
         return manual, manual.sync_fn, controller
-    synchronizer = DefaultOffloadSynchronizer(
+    synchronizer = (DefaultOffloadSynchronizer if scope is None else GraphSynchronizer)(
         model_layers,
         num_layers,  # type: ignore[arg-type]  # validated by the synchronizer
         retain_pinned_cpu_buffers,
@@ -297,6 +314,7 @@ def get_cpu_offload_context(
         max_host_bytes=max_host_bytes,
         offloaded_layers=offloaded_layers,
         keep_passes=keep_passes,
+        **({} if scope is None else {"scope": scope}),
     )
     synchronizer.reload_slice_bytes = slice_bytes
     synchronizer.reload_on_demand_layers = on_demand

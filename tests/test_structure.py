@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cpu_offload", "quantized")
 MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 450, 250, 100
 #: the offloader's mechanism, one folder per concept (docs/design.md)
-MECHANISM = ("device", "hooks", "report", "engine", "policy")
+MECHANISM = ("device", "hooks", "report", "engine", "policy", "graphs")
 #: the packages beside the core: they import it, it reaches them lazily if at all
 BESIDE = ("plan", "bench", "testing", "models", "integrations")
 TOP_LEVEL_MODULES, FOLDER_MODULES = 12, 15

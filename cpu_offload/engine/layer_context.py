@@ -63,14 +63,16 @@ class _LayerInProgress:
         self.last_layer: int | None = None
 
 
-#: what a layer entered while its stream is captured into a CUDA graph gets
+#: what a layer entered while its stream is captured gets, without ``cuda_graph``
 CAPTURE_REFUSED = (
     "cpu_offload: a layer entered the offload context while its stream is being captured "
-    "into a CUDA graph (torch.cuda.graph, torch.cuda.make_graphed_callables). The "
-    "offloader decides its copies, events and host buffers per step in Python, which a "
-    "graph's replay does not run, so capture is not supported yet. Leave the offloaded "
-    "layers out of the graph, or turn offload off around the capture (handle.enabled = "
-    "False for offload_layers, enabled=False for get_cpu_offload_context)."
+    "into a CUDA graph (torch.cuda.graph, torch.cuda.make_graphed_callables), but the "
+    "context was made without cuda_graph: its copies, events and host buffers would be "
+    "decided per step in Python, which a graph's replay does not run. Pass "
+    "cuda_graph=True (one graph per step) or cuda_graph='layer' (one graph per layer's "
+    "forward and backward) to get_cpu_offload_context, offload_layers or "
+    "cpu_offload.integrations.megatron.patch; or turn offload off around the capture "
+    "(handle.enabled = False, enabled=False)."
 )
 
 
@@ -137,7 +139,7 @@ class OffloadContext:
             frame.inside = True
             return self
         synchronizer = self.offload_synchronizer
-        if synchronizer.backend.is_capturing():
+        if synchronizer.cuda_graph is None and synchronizer.backend.is_capturing():
             raise CpuOffloadError(CAPTURE_REFUSED)
         try:
             if new_pass:

@@ -85,6 +85,9 @@ class OffloadEngine:
     offloaded_layers: list[int] | None = None
     #: the passes in flight that keep the schedule, the others moved whole (None: all)
     keep_passes: int | None = None
+    #: the CUDA graph shape the context runs in (``"step"``, ``"layer"``; NOTE [Graph
+    #: shapes] in graphs/graph_options.py), None: eager only, a capture is refused
+    cuda_graph: str | None = None
 
     #: what a layer reloaded on demand in its first backward tells the user to do (None:
     #: such a reload is expected, and silent)

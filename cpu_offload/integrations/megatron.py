@@ -172,8 +172,9 @@ def patch(**options: Any) -> MegatronPatch:
     ``__init__``); then ``cpu_offloading=True`` and ``cpu_offloading_num_layers=k`` in
     the ``TransformerConfig`` work with or without TransformerEngine.  ``options``
     (``device``, ``min_offload_numel``, ``memory_budget``: the layers to offload chosen
-    for a budget from a measured first step, in place of ``k``) are passed to every
-    context created.
+    for a budget from a measured first step, in place of ``k``; ``cuda_graph``: ``True``
+    for Megatron's full-iteration graphs, ``"layer"`` for its per-layer graphs, NOTE
+    [Graph shapes] in graphs/graph_options.py) are passed to every context created.
 
     Megatron's ``TransformerConfig`` still refuses ``cpu_offloading`` with pipeline
     parallelism > 1 or activation recomputation; both work with

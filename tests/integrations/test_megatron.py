@@ -280,3 +280,22 @@ def test_full_recompute_moves_the_checkpoints_inputs(megatron, monkeypatch, laye
     assert stats.bytes_offloaded >= 2 * chunks * hidden_state
     assert stats.bytes_reloaded == stats.bytes_offloaded and stats.on_demand_reloads == 0
     handle.remove()
+
+
+def test_the_wrapper_and_the_patch_pass_cuda_graph_on(megatron):
+    context, _ = megatron_offload.get_cpu_offload_context(
+        True, 1, 4, True, False, False, False, cuda_graph="layer"
+    )
+    assert context.offload_synchronizer.cuda_graph == "layer"
+    assert context.offload_synchronizer.host_buffers.retain  # fixed buffers for the graphs
+    example, device = megatron
+    data = example.batches(device, 2)
+    expected = example.train(example.build(None, device), data)
+    with megatron_offload.patch(min_offload_numel=0, cuda_graph=True):
+        model = example.build(example.OFFLOADED, device)
+    actual = example.train(model, data)  # no capture: the steps run as eager (warm-up)
+    for step_expected, step_actual in zip(expected, actual):
+        assert all(torch.equal(a, b) for a, b in zip(step_expected, step_actual))
+    synchronizer = model.decoder.offload_context.offload_synchronizer
+    assert synchronizer.cuda_graph == "step" and synchronizer.stats.tensors_offloaded > 0
+    assert synchronizer.report().to_dict()["cuda_graph/warmup_steps"] == len(data)

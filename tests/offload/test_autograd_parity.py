@@ -1538,6 +1538,34 @@ MODULE_CHOICES: dict[str, Any] = {
 }
 
 
+def graphed_steps(scope: bool | str, captured: bool) -> Callable[[Offload], list]:
+    """``cuda_graph=scope``: a warm-up step, then a step whose forward and backward run
+    while the backend says its stream is captured (the work still runs, so the captured
+    schedule's gradients and stream ordering are checked); the baseline runs both plain."""
+
+    def program(off: Offload) -> list[torch.Tensor]:
+        ctx = sync_fn = None
+        if off.k is not None:
+            ctx, sync_fn = get_cpu_offload_context(
+                True, off.k, L, min_offload_numel=0, cuda_graph=scope
+            )
+            off.handles.append(ctx)
+        torch.manual_seed(0)
+        layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(L)]
+        x = leaf(4, 8)
+        for number in range(2):
+            if ctx is not None:  # the second step is captured
+                backend = ctx.offload_synchronizer.backend.wrapped
+                backend.is_capturing = lambda: captured and number == 1  # noqa: B023
+            chain(list(layers), x, ctx, sync_fn).sum().backward()
+        if ctx is not None:
+            del backend.is_capturing
+            assert ctx.report().cuda_graph.captured == captured
+        return [x.grad] + [p.grad for layer in layers for p in layer.parameters()]
+
+    return program
+
+
 def hugging_face_modules(kind: str, inplace: bool = False) -> Callable[[Offload], list]:
     """offload_layers(model, k, modules=...) on a tiny Hugging Face Llama (attention
     dropout: RNG) or Mixtral; optionally the attention's input (saved by its
@@ -1570,6 +1598,9 @@ def hugging_face_modules(kind: str, inplace: bool = False) -> Callable[[Offload]
 
 PROGRAMS = {
     "plain chain": Row(plain_chain),
+    "cuda_graph=True, eager steps (warm-up, no capture)": Row(graphed_steps(True, False)),
+    "cuda_graph=True, a whole step captured": Row(graphed_steps(True, True)),
+    "cuda_graph='layer', every layer's graphs captured": Row(graphed_steps("layer", True)),
     "a step under torch.profiler": Row(under_the_profiler),
     "in-place after save, inside the layer": Row(inplace_after_save_inside_layer, match=MODIFIED),
     "in-place between layers, before the copy": Row(

@@ -57,6 +57,7 @@ def test_positional_order_is_te_compatible():
         "keep_passes",
         "reload_slice_bytes",
         "reload_on_demand_layers",
+        "cuda_graph",
     ]
     # Megatron passes them positionally.
     ctx, sync_fn = get_cpu_offload_context(True, 1, 2, True, False, False)
