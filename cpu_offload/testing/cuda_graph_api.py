@@ -146,6 +146,8 @@ class ModeledGraph:
         self._release: weakref.finalize | None = None
         self._recorder: _Recorder | None = None
         self.inner_branches: list[Any] = []  # the strict simulator's streams (data mode)
+        self.touched: set[int] = set()  # the storages its work uses
+        self.number = 0
 
     def capture_begin(
         self,
@@ -223,7 +225,7 @@ class ModeledGraph:
         self.branches = [
             timeline.new_stream(f"graph {number}: {clock.name}") for clock in capture.clocks[1:]
         ]
-        self.nodes = capture.nodes
+        self.nodes, self.touched, self.number = capture.nodes, capture.touched, number
         if runtime.strict is not None:
             self.inner_branches = [runtime.strict.new_stream() for _ in self.branches]
         pool, compute = self.graph_pool, runtime.compute.clock
@@ -245,7 +247,9 @@ class ModeledGraph:
             runtime.replaying = False
             if strict is not None:
                 strict.current = previous
-        runtime.order.tick(runtime.current.clock)
+        launch = runtime.current.clock
+        seq = runtime.order.tick(launch)
+        runtime.memory.replayed(self.touched, launch, seq, f"replay of graph {self.number}")
         self.replays += 1
 
     def _replay(self, on: TimedStream) -> None:

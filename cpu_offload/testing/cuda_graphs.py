@@ -62,8 +62,10 @@ NOTE [Modeled CUDA graphs]
     ``capture_end`` on another stream than the capture's is
     ``cudaErrorStreamCaptureUnmatched``.  Simplified: a kernel's launch latency is the
     eager one at replay; a forked stream that joined but issued no work needs no join;
-    the stream-order checks of NOTE [Allocator reuse across streams] see the capture's
-    Python, not the replays; a graph replayed inside another capture is not modeled.
+    a graph replayed inside another capture is not modeled.  The checks of NOTE
+    [Allocator reuse across streams] see no use by the capture (it runs nothing) and
+    each replay as a use, by the launch stream, of every block the captured work
+    touched (the graph's branches are joined to it).
     In the data mode a replay also computes (NOTE [Data-mode replay] in
     cuda_graph_api.py).
 """
@@ -169,6 +171,7 @@ class Capture:
         self.known: list[dict[int, int]] = [{}]  # per stream: the work it is ordered after
         self.stamps: list[dict[int, int]] = []  # per captured record
         self.written: set[int] = set()  # storages captured work wrote
+        self.touched: set[int] = set()  # storages captured work reads or writes
         self.invalid: CaptureError | None = None
 
     def _live(self) -> None:
@@ -203,6 +206,7 @@ class Capture:
         work notes what it writes; other streams' work must not touch the capture's."""
         if clock in self.streams:
             self.written.update(k for k in map(storage_id, writes) if k is not None)
+            self.touched.update(k for k in map(storage_id, tensors) if k is not None)
             return
         if clock is self.compute:
             raise self.refuse(

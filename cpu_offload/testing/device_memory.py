@@ -194,10 +194,20 @@ class DeviceMemory:
         block when another stream owns it."""
         if not isinstance(tensor, torch.Tensor):
             return
+        capture = self.timeline.capture
+        if capture is not None and clock in capture.streams:
+            return  # a capture runs nothing (its replays use the memory: ``replayed``)
         key = storage_id(tensor)
         block = None if key is None else self.blocks.get(key)
         if block is not None and block.stream is not clock and not block.host:
             block.uses[clock] = Use(clock, clock.name, seq, op)
+
+    def replayed(self, keys: Iterable[int], clock: StreamClock, seq: int, what: str) -> None:
+        """A graph replayed on ``clock``'s stream at ``seq`` used the blocks of ``keys``."""
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is not None and block.stream is not clock and not block.host:
+                block.uses[clock] = Use(clock, clock.name, seq, what)
 
     def poll(self) -> None:
         """Return the recorded blocks whose streams' work the host sees completed."""

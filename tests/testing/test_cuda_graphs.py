@@ -419,3 +419,25 @@ def test_the_offloaders_default_mode_sees_the_capture_and_refuses_it():
                 with ctx:
                     x @ w
     assert str(raised.value) == CAPTURE_REFUSED
+
+
+def test_the_reuse_checks_see_replays_not_the_capture():
+    _, w = inputs()
+    with timed_runtime(DEVICE) as run, modeled_cuda(run.live):
+        x = torch.empty(2 * H, H, device="cuda")  # compute's
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x @ w  # read on the capture stream, which runs nothing
+        g.replay()  # on compute: compute's own work
+        del x
+        torch.empty(2 * H, H, device="cuda")  # takes x's block: ordered, no hazard
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            y = torch.empty(2 * H, H, device="cuda")  # the side stream's
+        with torch.cuda.graph(g2 := torch.cuda.CUDAGraph()):
+            y @ w
+        g2.replay()  # compute reads y, which the side stream owns
+        del y
+        with pytest.raises(StreamHazardError, match=f"compute's replay of graph {g2.number}"):
+            with torch.cuda.stream(side):
+                torch.empty(2 * H, H, device="cuda")
