@@ -8,7 +8,7 @@ NOTE [The first hour on a GPU]
     plain policy] in check_rows.py), the 2-rank pipeline with ``keep_passes`` and ZB-V,
     32 x 8k at k = 24, the pinned allocator's rounding and the host pool against
     ``host_memory_stats()``, layers compiled with ``fullgraph=True``, and a step
-    captured with ``cuda_graph=True`` (owed until it exists).  Each row reads PASS, FAIL
+    captured with ``cuda_graph=True`` and replayed.  Each row reads PASS, FAIL
     or NOT RUN, with its figure and what it needs; the JSON holds them, and the rows
     print as a table for docs/benchmarks.md.  With ``--simulate PROFILE`` it runs every
     row it can on the modeled accelerator on the CPU (the benchmarks' ``--simulate``),
@@ -148,10 +148,6 @@ def pinned_rounding(device: str, simulate: str | None) -> tuple[str, str]:
     return (PASS if held == modeled else FAIL), figure
 
 
-def cuda_graph(device: str, simulate: str | None) -> tuple[str, str]:
-    return NOT_RUN, "owed until cuda_graph=True exists"
-
-
 #: (name, needs, runner), most valuable after the device checks (check.py's, first)
 CHECKS: list[tuple[str, str, Runner]] = [
     ("pytest -m gpu", "a GPU, the repository's tests/", gpu_tests),
@@ -167,7 +163,7 @@ CHECKS: list[tuple[str, str, Runner]] = [
     ("pinned rounding vs host_memory_stats()", "a CUDA GPU", pinned_rounding),
     ("host pool vs host_memory_stats()", "a CUDA GPU (else --simulate)", check_rows.host_pool),
     ("compile: fullgraph blocks", "torch.compile (a GPU: inductor)", check_rows.compiled_blocks),
-    ("cuda_graph: a captured step", "cuda_graph=True, a CUDA GPU", cuda_graph),
+    ("cuda_graph: a captured step", "a CUDA GPU (else --simulate)", check_rows.cuda_graph),
 ]
 
 

@@ -31,18 +31,23 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from .device.runtime import deterministic_algorithms, get_backend, pinned_memory_stats
+from .device.runtime import (
+    deterministic_algorithms,
+    get_backend,
+    graph_runtime,
+    pinned_memory_stats,
+)
 from .engine.layer_state import OffloadableLayerState
 from .layer_hooks import offload_layers
 from .models.llama import LlamaConfig, LlamaLayer
 from .models.presets import MODEL_PRESETS
 
-__all__ = ["compiled_blocks", "host_pool", "reloads"]
+__all__ = ["compiled_blocks", "cuda_graph", "host_pool", "reloads"]
 
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 MIB, GIB = 2**20, 2**30
@@ -300,3 +305,105 @@ def compiled_blocks(device: str, simulate: str | None) -> tuple[str, str]:
         f"offload; {moved / MIB:.2f} MiB offloaded per step"
     )
     return (PASS if same and stats.forward_passes == 2 and moved > 0 else FAIL), figure
+
+
+GRAPH_WIDTH, GRAPH_ROWS, GRAPH_LAYERS, GRAPH_REPLAYS = 1024, 4096, 4, 3
+
+
+def _graph_blocks(width: int) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.Sequential(
+            nn.Linear(width, 4 * width, device="cuda"),
+            nn.GELU(),
+            nn.Linear(4 * width, width, device="cuda"),
+        )
+        for _ in range(GRAPH_LAYERS)
+    )
+
+
+def _graphed_step(layers: nn.ModuleList, x: torch.Tensor) -> None:
+    h = x
+    for layer in layers:
+        h = h + layer(h)
+    h.float().square().mean().backward()
+
+
+def _replays(cuda: Any, layers: nn.ModuleList, x: torch.Tensor, moved: Callable[[], Any]):
+    """``offload_layers(cuda_graph=True)``: an eager step, a step captured, then
+    :data:`GRAPH_REPLAYS` replays; per replay, the gradients and the bytes ``moved``
+    (d2h, h2d) says it moved; and the handle's report."""
+    handle = offload_layers(layers, GRAPH_LAYERS // 2, min_offload_numel=0, cuda_graph=True)
+    tensors = [x, *layers.parameters()]
+    try:
+        _graphed_step(layers, x)  # the warm-up: host buffers allocated
+        for tensor in tensors:  # the gradients: the graph's outputs, from its pool
+            tensor.grad = None
+        graph = cuda.CUDAGraph()
+        with cuda.graph(graph):
+            _graphed_step(layers, x)
+        found = []
+        for _ in range(GRAPH_REPLAYS):
+            (d2h, h2d) = moved()
+            graph.replay()
+            cuda.synchronize()
+            (d2h_after, h2d_after) = moved()
+            grads = [cast(torch.Tensor, t.grad).clone() for t in tensors]
+            found.append((grads, (d2h_after - d2h, h2d_after - h2d)))
+        report = handle.report().to_dict()
+    finally:
+        handle.remove()
+    return found, report
+
+
+def cuda_graph(device: str, simulate: str | None) -> tuple[str, str]:
+    """A whole step captured with ``cuda_graph=True`` and replayed 3 times: on a GPU, each
+    replay's gradients bit-identical to the eager step's without offload; under
+    ``--simulate``, shapes only under ``modeled_cuda``, each replay moving what an eager
+    step moves (NOTE [Modeled CUDA graphs])."""
+    if simulate:
+        from .testing import timed_runtime
+        from .testing.modeled_cuda import modeled_cuda
+
+        with timed_runtime(simulate, flavour="cuda", record=False) as run:
+            live: Any = run.live
+            with modeled_cuda(live):
+                cuda, copied = graph_runtime("cuda"), live.timeline.copied
+                x = torch.empty(GRAPH_ROWS, GRAPH_WIDTH, device="cuda", requires_grad=True)
+                layers = _graph_blocks(GRAPH_WIDTH)
+                handle = offload_layers(layers, GRAPH_LAYERS // 2, min_offload_numel=0)
+                _graphed_step(layers, x)  # eager, offloaded without cuda_graph
+                cuda.synchronize()
+                handle.remove()
+                eager = (copied["d2h"], copied["h2d"])
+                moved = lambda: (copied["d2h"], copied["h2d"])  # noqa: E731
+                found, report = _replays(cuda, layers, x, moved)
+        per_replay = [bytes_moved for _, bytes_moved in found]
+        holds = per_replay == [eager] * GRAPH_REPLAYS and eager[0] > 0
+        figure = (
+            f"{GRAPH_LAYERS} MLP blocks of {GRAPH_WIDTH}, k=2, modeled: each of "
+            f"{GRAPH_REPLAYS} replays moved {per_replay[0][0] / MIB:.1f} MiB out and "
+            f"{per_replay[0][1] / MIB:.1f} MiB back (an eager step: {eager[0] / MIB:.1f}, "
+            f"{eager[1] / MIB:.1f})"
+        )
+        captured = report["cuda_graph/captured"] == report["cuda_graph/replay"] == 1
+        return (PASS if holds and captured else FAIL), figure
+    cuda = graph_runtime(device)
+    if cuda is None or device == "cpu":
+        return NOT_RUN, f"{device} captures no graphs (else --simulate)"
+    with torch.device(device), deterministic_algorithms():
+        torch.manual_seed(1)
+        x = torch.randn(GRAPH_ROWS, GRAPH_WIDTH, requires_grad=True)
+        layers = _graph_blocks(GRAPH_WIDTH)
+        reference = copy.deepcopy(layers)
+        y = x.detach().clone().requires_grad_()
+        _graphed_step(reference, y)  # eager, without offload
+        expected = [cast(torch.Tensor, t.grad) for t in [y, *reference.parameters()]]
+        found, report = _replays(cuda, layers, x, lambda: (0, 0))
+    same = [all(torch.equal(a, b) for a, b in zip(expected, got)) for got, _ in found]
+    figure = (
+        f"{GRAPH_LAYERS} MLP blocks of {GRAPH_WIDTH}, k=2, a step captured: gradients of "
+        f"{GRAPH_REPLAYS} replays bit-identical to eager without offload: {same}; "
+        f"{report['copied_bytes'] / MIB:.1f} MiB copied per step"
+    )
+    return (PASS if all(same) and report["cuda_graph/replay"] == 1 else FAIL), figure

@@ -37,3 +37,19 @@ def test_the_compile_row_fails_when_the_offloaded_program_differs(monkeypatch):
     monkeypatch.setattr(check_rows, "_gradients", scaled)
     status, figure = check_rows.compiled_blocks("cpu", None)
     assert status == "FAIL" and "DIFFER from the compiled program" in figure, figure
+
+
+def test_the_cuda_graph_row_fails_when_a_replay_moves_other_bytes_than_eager(monkeypatch):
+    """Captured with one layer offloaded where the eager step offloaded two: the replays
+    move half the eager step's bytes, and the row says FAIL."""
+    offload_layers = check_rows.offload_layers
+
+    def fewer_when_captured(layers, k, **options):
+        return offload_layers(layers, 1 if options.get("cuda_graph") else k, **options)
+
+    monkeypatch.setattr(check_rows, "offload_layers", fewer_when_captured)
+    status, figure = check_rows.cuda_graph("cpu", "h100")
+    assert status == "FAIL"
+    assert "replays moved 144.0 MiB out and 144.0 MiB back" in figure, figure
+    assert "(an eager step: 288.0, 288.0)" in figure, figure
+    assert check_rows.cuda_graph("cpu", None)[0] == "NOT RUN"
