@@ -57,8 +57,6 @@ SLICE_BYTES = 64 * MIB
 SLICED_STEP_FACTOR = 1.5
 WARMUP, STEPS = 2, 5
 
-Step = Callable[[], None]
-
 
 @contextlib.contextmanager
 def layers_hold_their_reloads() -> Iterator[None]:
@@ -90,9 +88,12 @@ def _llama_stack(device: str) -> tuple[nn.ModuleList, torch.Tensor]:
     return layers.to(torch.bfloat16), x.to(torch.bfloat16).requires_grad_()
 
 
-def _train_step(layers: nn.ModuleList, x: torch.Tensor) -> None:
+def _no_gradients(layers: nn.ModuleList, x: torch.Tensor) -> None:
     for tensor in [x, *layers.parameters()]:
         tensor.grad = None
+
+
+def _train_step(layers: nn.ModuleList, x: torch.Tensor) -> None:
     h = x.clone()  # the stack's input, as an embedding makes it
     for layer in layers:
         h = layer(h)
@@ -104,6 +105,7 @@ def _modeled(profile: str, layers: nn.ModuleList, x: torch.Tensor, hold: bool, *
     from .testing import timed_runtime
 
     around = layers_hold_their_reloads() if hold else contextlib.nullcontext()
+    _no_gradients(layers, x)
     with timed_runtime(profile, record=False) as run, around, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         handle = offload_layers(layers, OFFLOADED, **options)
@@ -125,6 +127,7 @@ def _measured(device: str, layers: nn.ModuleList, x: torch.Tensor, hold: bool, *
         handle = offload_layers(layers, OFFLOADED, **options)
         try:
             for index in range(WARMUP + STEPS):
+                _no_gradients(layers, x)  # each step allocates them, as the model counts
                 backend.synchronize()
                 before = backend.memory_allocated() or 0
                 backend.reset_peak_memory_stats()
@@ -177,9 +180,10 @@ POOL_WIDTH, POOL_HIDDEN, POOL_BLOCKS, POOL_ROWS, POOL_STEPS = 1024, 3000, 6, 409
 POOL_FACTOR = 1.10
 
 
-def _pool_steps(device: str) -> list[dict[str, Any]]:
+def _pool_steps(device: str, held: Callable[[], Any]) -> tuple[list[dict[str, Any]], Any]:
     """6 x Linear(1024, 3000) + GELU + Linear(3000, 1024), k=4, 4096 rows, 4 steps: each
-    step's ``report().to_dict()``."""
+    step's ``report().to_dict()``, and what ``held`` reads after the last step (the pool
+    still alive)."""
     torch.manual_seed(0)
     with torch.device(device):
         layers = nn.ModuleList(
@@ -198,9 +202,10 @@ def _pool_steps(device: str) -> list[dict[str, Any]]:
                 h = layer(h)
             h.sum().backward()
             reports.append(handle.report().to_dict())
+        found = held()
     finally:
         handle.remove()
-    return reports
+    return reports, found
 
 
 def host_pool(device: str, simulate: str | None) -> tuple[str, str]:
@@ -212,7 +217,7 @@ def host_pool(device: str, simulate: str | None) -> tuple[str, str]:
         from .testing import timed_runtime
 
         with timed_runtime(simulate, record=False) as run:
-            reports = _pool_steps("meta")
+            reports, _ = _pool_steps("meta", lambda: None)
         held, allocations = run.pinned_reserved_bytes, run.pinned_allocations
     else:
         before = pinned_memory_stats(device) if device != "cpu" else None
@@ -222,8 +227,7 @@ def host_pool(device: str, simulate: str | None) -> tuple[str, str]:
         before = pinned_memory_stats(device) or {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # k = 4 of 6 on small layers: copies exposed
-            reports = _pool_steps(device)
-        after = pinned_memory_stats(device) or {}
+            reports, after = _pool_steps(device, lambda: pinned_memory_stats(device) or {})
         held = after["allocated_bytes.current"] - before["allocated_bytes.current"]
         allocations = after["num_host_alloc"] - before["num_host_alloc"]
     own = max(report["host_reserved_bytes"] for report in reports)
