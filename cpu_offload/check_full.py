@@ -83,7 +83,17 @@ def _bench(argv: list[str]) -> tuple[str, str]:
             for row in figures["peers"]
             if "ours_speedup" in row
         )
+    if "modes" in figures:  # measured on the device: each mode's step and peak
+        figure = "; ".join(_measured_mode(row) for row in figures["modes"])
     return (PASS if code == 0 else FAIL), figure or (lines[-1] if lines else "")
+
+
+def _measured_mode(row: dict) -> str:
+    if row.get("skipped"):
+        return f"{row['mode']}: skipped ({row['skipped']})"
+    peak = row.get("peak_bytes")
+    shown = f"{row['mode']}: {row['median_step_ms']:.1f} ms"
+    return shown + ("" if peak is None else f", peak {peak / 2**30:.2f} GiB")
 
 
 def _on(device: str, simulate: str | None) -> list[str]:

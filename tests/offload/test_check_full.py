@@ -68,3 +68,18 @@ def test_simulate_goes_with_full(capsys):
         check.main(["--simulate", "h100"])
     assert exited.value.code == 2
     assert "--simulate PROFILE: goes with --full" in capsys.readouterr().err
+
+
+def test_a_benchmark_measured_on_the_device_shows_each_modes_step_and_peak():
+    """On a device the benchmark's JSON has its modes, not the model's agreement: the row
+    shows each mode's median step and peak, and why a mode was skipped."""
+    rows = [
+        {"mode": "none", "skipped": None, "median_step_ms": 100.54, "peak_bytes": 3 * 2**30},
+        {"mode": "trl", "skipped": "trl is not importable", "median_step_ms": None},
+        {"mode": "checkpoint", "skipped": None, "median_step_ms": 18.3, "peak_bytes": None},
+    ]
+    assert [check_full._measured_mode(row) for row in rows] == [
+        "none: 100.5 ms, peak 3.00 GiB",
+        "trl: skipped (trl is not importable)",
+        "checkpoint: 18.3 ms",
+    ]
