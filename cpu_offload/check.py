@@ -382,8 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--full",
         action="store_true",
         help="run every check still owed to a GPU, most valuable first: the device checks, "
-        "pytest -m gpu, the benchmarks, the peers, the pipeline, pinned rounding (default: "
-        "the device checks only)",
+        "pytest -m gpu, the benchmarks, the peers, sliced and on-demand reloads, the "
+        "pipeline, pinned memory and the host pool, compiled layers, a captured step "
+        "(default: the device checks only)",
     )
     parser.add_argument(
         "--simulate",

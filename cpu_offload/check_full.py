@@ -3,14 +3,19 @@
 NOTE [The first hour on a GPU]
     The CPU proves ordering and parity; figures need a device.  ``--full`` runs, most
     valuable first, what only a device can settle: the device checks, ``pytest -m gpu``,
-    the llama8b-layer benchmark, the peers' rows on the device, the 2-rank pipeline
-    with ``keep_passes`` and ZB-V, 32 x 8k at k = 24, and the pinned allocator's
-    rounding against ``host_memory_stats()``.  Each row reads PASS, FAIL or NOT RUN,
-    with its figure and what it needs; the JSON holds them, and the rows print as a
-    table for docs/benchmarks.md.  With ``--simulate PROFILE`` it runs every row it can
-    on the modeled accelerator on the CPU (the benchmarks' ``--simulate``), so that the
-    command itself is tested in CI before it meets a GPU; a row the model cannot settle
-    says NOT RUN and what it needs.
+    the llama8b-layer benchmark, the peers' rows on the device, reloads in slices, on
+    demand and tensor by tensor against the plain policy (NOTE [Reloads against the
+    plain policy] in check_rows.py), the 2-rank pipeline with ``keep_passes`` and ZB-V,
+    32 x 8k at k = 24, the pinned allocator's rounding and the host pool against
+    ``host_memory_stats()``, layers compiled with ``fullgraph=True``, and a step
+    captured with ``cuda_graph=True`` and replayed.  Each row reads PASS, FAIL
+    or NOT RUN, with its figure and what it needs; the JSON holds them, and the rows
+    print as a table for docs/benchmarks.md.  With ``--simulate PROFILE`` it runs every
+    row it can on the modeled accelerator on the CPU (the benchmarks' ``--simulate``),
+    so that the command itself is tested in CI before it meets a GPU; a row the model
+    cannot settle says NOT RUN and what it needs.  Rows that run the offloader in this
+    process are in check_rows.py; benchmarks run as processes of their own (the package
+    never imports the benchmark).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+
+from . import check_rows
 
 __all__ = ["FullRow", "run_full"]
 
@@ -76,7 +83,17 @@ def _bench(argv: list[str]) -> tuple[str, str]:
             for row in figures["peers"]
             if "ours_speedup" in row
         )
+    if "modes" in figures:  # measured on the device: each mode's step and peak
+        figure = "; ".join(_measured_mode(row) for row in figures["modes"])
     return (PASS if code == 0 else FAIL), figure or (lines[-1] if lines else "")
+
+
+def _measured_mode(row: dict) -> str:
+    if row.get("skipped"):
+        return f"{row['mode']}: skipped ({row['skipped']})"
+    peak = row.get("peak_bytes")
+    shown = f"{row['mode']}: {row['median_step_ms']:.1f} ms"
+    return shown + ("" if peak is None else f", peak {peak / 2**30:.2f} GiB")
 
 
 def _on(device: str, simulate: str | None) -> list[str]:
@@ -120,29 +137,25 @@ def pipeline(device: str, simulate: str | None) -> tuple[str, str]:
 
 def long_sequences(device: str, simulate: str | None) -> tuple[str, str]:
     argv = ["--preset", "llama8b-layer", "--layers", "32", "--seq", "8192", "--offload", "24"]
-    if not simulate:
-        argv += ["--steps", "2", "--warmup", "1"]
+    if not simulate:  # offload:24 only: without offload the stack does not fit in 80 GB
+        argv += ["--steps", "2", "--warmup", "1", "--modes", "offload"]
     return _bench([*argv, *_on(device, simulate)])
 
 
 def pinned_rounding(device: str, simulate: str | None) -> tuple[str, str]:
+    from .device.runtime import pinned_memory_stats
     from .testing.pinned_memory import held_bytes, round_threshold
 
     modeled = held_bytes(600 * MIB, round_threshold())
-    if simulate or device == "cpu":
+    stats = None if simulate or device == "cpu" else pinned_memory_stats(device)
+    if stats is None:
         return NOT_RUN, f"modeled: 600 MiB pinned holds {modeled // MIB} MiB"
-    runtime = getattr(torch, device)
     key = "allocated_bytes.current"
-    before = runtime.host_memory_stats().get(key, 0)
     tensor = torch.empty(600 * MIB, dtype=torch.uint8, pin_memory=True)
-    held = runtime.host_memory_stats().get(key, 0) - before
+    held = (pinned_memory_stats(device) or {}).get(key, 0) - stats.get(key, 0)
     del tensor
     figure = f"600 MiB pinned: torch holds {held // MIB} MiB, the model {modeled // MIB} MiB"
     return (PASS if held == modeled else FAIL), figure
-
-
-def not_yet(device: str, simulate: str | None) -> tuple[str, str]:
-    return NOT_RUN, "these rows do not exist yet"
 
 
 #: (name, needs, runner), most valuable after the device checks (check.py's, first)
@@ -150,10 +163,17 @@ CHECKS: list[tuple[str, str, Runner]] = [
     ("pytest -m gpu", "a GPU, the repository's tests/", gpu_tests),
     ("llama8b-layer benchmark", "a GPU (else --simulate)", llama_layer),
     ("peers' rows", "a GPU, torchtune and trl (else --simulate)", peers),
+    (
+        "sliced reloads, on-demand layers and per-tensor release (peak and step)",
+        "a GPU with 24 GB (else --simulate)",
+        check_rows.reloads,
+    ),
     ("keep_passes and ZB-V, 2-rank pipeline", "2 GPUs and nccl (else --simulate)", pipeline),
     ("32 x 8k at k = 24", "a GPU with 80 GB (else --simulate)", long_sequences),
     ("pinned rounding vs host_memory_stats()", "a CUDA GPU", pinned_rounding),
-    ("compile and cuda_graph rows", "the rows", not_yet),
+    ("host pool vs host_memory_stats()", "a CUDA GPU (else --simulate)", check_rows.host_pool),
+    ("compile: fullgraph blocks", "torch.compile (a GPU: inductor)", check_rows.compiled_blocks),
+    ("cuda_graph: a captured step", "a CUDA GPU (else --simulate)", check_rows.cuda_graph),
 ]
 
 

@@ -34,7 +34,9 @@ __all__ = [
     "device_name",
     "distributed_setup",
     "get_backend",
+    "graph_runtime",
     "override_host_backend",
+    "pinned_memory_stats",
     "supports_fp8_matmul",
 ]
 
@@ -246,6 +248,23 @@ def _runtime_module(device_type: str) -> Any:
                 "install them (pip install 'cpu-offload[npu]') or choose another device."
             ) from error
     return getattr(torch, device_type)
+
+
+def graph_runtime(device_type: str) -> Any:
+    """``torch.<device_type>`` where it captures and replays graphs (``CUDAGraph``,
+    ``graph``, ``Stream``, ``synchronize``; the modeled one under ``modeled_cuda``), for a
+    check that captures a step; ``None`` where it does not."""
+    runtime = getattr(torch, device_type, None)
+    return runtime if hasattr(runtime, "CUDAGraph") and hasattr(runtime, "graph") else None
+
+
+def pinned_memory_stats(device_type: str) -> dict[str, int] | None:
+    """torch's pinned (host) allocator statistics for ``device_type``'s runtime
+    (``host_memory_stats()``: ``allocated_bytes.current``, ``num_host_alloc``, ...), or
+    ``None`` where the runtime reports none."""
+    runtime = getattr(torch, device_type, None)
+    stats = getattr(runtime, "host_memory_stats", None)
+    return None if stats is None else dict(stats())
 
 
 def available_device_type() -> str:

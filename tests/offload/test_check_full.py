@@ -12,8 +12,12 @@ from cpu_offload import check, check_full
 SIMULATED = {
     "llama8b-layer benchmark",
     "peers' rows",
+    "sliced reloads, on-demand layers and per-tensor release (peak and step)",
     "keep_passes and ZB-V, 2-rank pipeline",
     "32 x 8k at k = 24",
+    "host pool vs host_memory_stats()",
+    "compile: fullgraph blocks",
+    "cuda_graph: a captured step",
 }
 
 
@@ -34,6 +38,13 @@ def test_full_simulated_runs_every_row_it_can_and_says_what_the_others_need(tmp_
     assert by_name["pinned rounding vs host_memory_stats()"]["figure"] == (
         "modeled: 600 MiB pinned holds 1024 MiB"
     )
+    reloads = by_name["sliced reloads, on-demand layers and per-tensor release (peak and step)"]
+    assert reloads["figure"].startswith("k=6 of 8 at 8k, peak and step: plain: ")
+    assert "layer 0 on demand: " in reloads["figure"]
+    assert "torch 448.0 MiB" in by_name["host pool vs host_memory_stats()"]["figure"]
+    assert "bit-identical" in by_name["compile: fullgraph blocks"]["figure"]
+    graphed = by_name["cuda_graph: a captured step"]["figure"]
+    assert "each of 3 replays moved 288.0 MiB out" in graphed
     out = capsys.readouterr().out
     assert "| check (modeled h100) | status | figure | needs |" in out
     assert out.count("| PASS |") == len(SIMULATED)
@@ -57,3 +68,18 @@ def test_simulate_goes_with_full(capsys):
         check.main(["--simulate", "h100"])
     assert exited.value.code == 2
     assert "--simulate PROFILE: goes with --full" in capsys.readouterr().err
+
+
+def test_a_benchmark_measured_on_the_device_shows_each_modes_step_and_peak():
+    """On a device the benchmark's JSON has its modes, not the model's agreement: the row
+    shows each mode's median step and peak, and why a mode was skipped."""
+    rows = [
+        {"mode": "none", "skipped": None, "median_step_ms": 100.54, "peak_bytes": 3 * 2**30},
+        {"mode": "trl", "skipped": "trl is not importable", "median_step_ms": None},
+        {"mode": "checkpoint", "skipped": None, "median_step_ms": 18.3, "peak_bytes": None},
+    ]
+    assert [check_full._measured_mode(row) for row in rows] == [
+        "none: 100.5 ms, peak 3.00 GiB",
+        "trl: skipped (trl is not importable)",
+        "checkpoint: 18.3 ms",
+    ]

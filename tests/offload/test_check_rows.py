@@ -1,0 +1,97 @@
+"""The rows of ``check --full`` that run in process (cpu_offload/check_rows.py) fail where
+what they measure does not hold."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+from cpu_offload import check_rows
+from cpu_offload.testing import timed_runtime
+from cpu_offload.testing.modeled_cuda import modeled_cuda
+
+
+def test_the_reloads_row_fails_when_the_release_one_by_one_saves_nothing(monkeypatch):
+    """Without the hold as its baseline, the plain policy's peak equals the baseline's:
+    the row says FAIL and which criterion failed."""
+    monkeypatch.setattr(check_rows, "layers_hold_their_reloads", contextlib.nullcontext)
+    status, figure = check_rows.reloads("cpu", "h100")
+    assert status == "FAIL"
+    assert figure.endswith("(one by one not below the hold)"), figure
+
+
+def test_the_reloads_row_needs_a_device_or_the_model():
+    assert check_rows.reloads("cpu", None) == (
+        "NOT RUN",
+        "peak device memory needs a GPU or NPU (else --simulate)",
+    )
+
+
+def test_the_compile_row_fails_when_the_offloaded_program_differs(monkeypatch):
+    """A compiled program that offloads and computes something else (the gradients of a
+    scaled loss) is a FAIL, as a difference in the last bit would be."""
+    gradients = check_rows._gradients
+    calls = []
+
+    def scaled(model, x):
+        calls.append(model)
+        return [g * 2 if len(calls) > 2 else g for g in gradients(model, x)]
+
+    monkeypatch.setattr(check_rows, "_gradients", scaled)
+    status, figure = check_rows.compiled_blocks("cpu", None)
+    assert status == "FAIL" and "DIFFER from the compiled program" in figure, figure
+
+
+def test_the_cuda_graph_row_fails_when_a_replay_moves_other_bytes_than_eager(monkeypatch):
+    """Captured with one layer offloaded where the eager step offloaded two: the replays
+    move half the eager step's bytes, and the row says FAIL."""
+    offload_layers = check_rows.offload_layers
+
+    def fewer_when_captured(layers, k, **options):
+        return offload_layers(layers, 1 if options.get("cuda_graph") else k, **options)
+
+    monkeypatch.setattr(check_rows, "offload_layers", fewer_when_captured)
+    status, figure = check_rows.cuda_graph("cpu", "h100")
+    assert status == "FAIL"
+    assert "replays moved 144.0 MiB out and 144.0 MiB back" in figure, figure
+    assert "(an eager step: 288.0, 288.0)" in figure, figure
+    assert check_rows.cuda_graph("cpu", None)[0] == "NOT RUN"
+
+
+def peaks(figure: str) -> list[str]:
+    return re.findall(r"([\d.]+) GiB", figure)
+
+
+def test_the_reloads_rows_device_path_measures_what_the_model_counts(monkeypatch):
+    """The device path (warm-up, then the backend's peak memory around each step) run on
+    the modeled CUDA, one step per way: the peaks the modeled path reports (its step
+    times are this CPU's wall clock, so only the peaks are compared)."""
+    monkeypatch.setattr(check_rows, "WARMUP", 0)
+    monkeypatch.setattr(check_rows, "STEPS", 1)
+    with timed_runtime("h100", record=False) as run, modeled_cuda(run.live):
+        _, measured = check_rows.reloads("cuda", None)
+    _, modeled = check_rows.reloads("cpu", "h100")
+    assert peaks(measured) == peaks(modeled) == ["6.18", "6.67", "4.39", "4.20"], measured
+
+
+def test_the_host_pool_rows_device_path_reads_torchs_pinned_allocator(monkeypatch):
+    """The device path on the modeled CUDA, ``host_memory_stats()`` read from the modeled
+    pinned allocator: the pool's count is what it holds."""
+    with timed_runtime("h100", record=False) as run, modeled_cuda(run.live):
+        pinned = run.live.memory.pinned
+
+        def host_memory_stats() -> dict:
+            return {
+                "allocated_bytes.current": pinned.reserved,
+                "num_host_alloc": pinned.allocations,
+            }
+
+        monkeypatch.setattr(torch.cuda, "host_memory_stats", host_memory_stats, raising=False)
+        status, figure = check_rows.host_pool("cuda", None)
+    assert (status, figure) == (
+        "PASS",
+        "the pool holds 448.0 MiB, torch 448.0 MiB, 1.02x of 439.0 MiB moved; pinned "
+        "allocations per step [12, 0, 0, 0], torch's 12",
+    )
