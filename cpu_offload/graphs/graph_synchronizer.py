@@ -63,7 +63,12 @@ from ..report.graph_report import GraphStepReport, GraphSteps
 from ..report.step_record import StepRecord
 from ..report.step_report import StepReport
 
-__all__ = ["CaptureBackend", "GraphHostPool", "GraphSynchronizer"]
+__all__ = ["PINNED_IN_CAPTURE", "CaptureBackend", "GraphHostPool", "GraphSynchronizer"]
+
+#: whether torch can allocate pinned host memory while a stream is captured (its
+#: caching host allocator, since 2.11 and its pre-releases: pytorch#167507); before,
+#: a capture that allocates one fails inside CUDA, so the pool says what to do instead
+PINNED_IN_CAPTURE = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 11)
 
 
 class CaptureBackend:
@@ -106,6 +111,37 @@ class GraphHostPool(HostBufferPool):
 
     #: a step was captured: a graph may copy into the buffers at any replay
     captured = False
+    fixed = (
+        "cuda_graph= keeps each offloaded layer's pinned host buffers at fixed addresses "
+        "(a captured graph copies into them at every replay)",
+        "Keep shapes fixed between steps, as a CUDA graph replays one shape (pad to one "
+        "sequence length, drop the last partial batch: DataLoader(drop_last=True)); steps "
+        "of another shape need an offload context of their own.",
+    )
+
+    def _acquire(
+        self,
+        layer_index: int,
+        tensors: list[torch.Tensor],
+        sizes: list[int] | None,
+        layouts: Any,
+    ) -> list[torch.Tensor | None]:
+        backend = self._backend
+        if (
+            not PINNED_IN_CAPTURE
+            and not self._retained[layer_index]
+            and backend.pin_memory
+            and backend.is_capturing()
+        ):
+            raise CpuOffloadError(
+                f"cpu_offload: cuda_graph=: layer {layer_index} needs new pinned host "
+                f"buffers while its stream is captured, and torch {torch.__version__} "
+                "cannot allocate pinned memory during a CUDA graph capture (torch 2.11 "
+                "can: pytorch#167507). Run one eager step with the same shapes before "
+                "the capture (it allocates every buffer the captured step needs), or "
+                "upgrade torch to 2.11 or later."
+            )
+        return super()._acquire(layer_index, tensors, sizes, layouts)
 
     def empty_cache(self) -> None:
         if self.captured:
