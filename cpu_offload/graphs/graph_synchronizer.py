@@ -7,8 +7,10 @@ NOTE [A captured step]
 
     * Host buffers are fixed: each layer keeps its pinned buffers for the next passes
       (the pool's ``retain`` mode), allocated in the eager warm-up steps before the
-      capture (or during it where the device allows), never lent to another layer
-      while a graph that copies into them may replay.
+      capture (or during it where the device allows: torch 2.11 and later), never
+      lent to another layer while a graph that copies into them may replay; the sets a
+      capture took are the graph's alone (an eager pass gets its own: a replay would
+      overwrite what an eager pass in flight offloaded).  A captured copy is not timed.
     * Device buffers of a reload are allocated on the capturing stream, from the
       graph's pool, and handed to no other stream (:class:`CaptureBackend` ignores
       ``record_stream`` while capturing; backward runs on the capturing stream).
@@ -107,10 +109,20 @@ class GraphHostPool(HostBufferPool):
     """The host pool of a context under CUDA graphs: each layer keeps its buffers
     (``retain``), and keeps them: a captured graph copies into them at every replay, so
     once a step was captured :meth:`empty_cache` refuses to free them (freed pinned
-    blocks go back to torch's cache, which hands them to others)."""
+    blocks go back to torch's cache, which hands them to others), and the sets a
+    capture took are the graph's alone: an eager pass (warm-up, a step between
+    replays) gets sets of its own, which a replay cannot overwrite while it waits for
+    its backward."""
 
     #: a step was captured: a graph may copy into the buffers at any replay
     captured = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: the buffer sets a capture copies into, by id: a replay writes them while an
+        #: eager pass in flight would hold its own offloaded data there
+        self._graphs_own: dict[int, list[torch.Tensor | None]] = {}
+
     fixed = (
         "cuda_graph= keeps each offloaded layer's pinned host buffers at fixed addresses "
         "(a captured graph copies into them at every replay)",
@@ -127,11 +139,12 @@ class GraphHostPool(HostBufferPool):
         layouts: Any,
     ) -> list[torch.Tensor | None]:
         backend = self._backend
+        capturing = backend.is_capturing()
         if (
             not PINNED_IN_CAPTURE
             and not self._retained[layer_index]
             and backend.pin_memory
-            and backend.is_capturing()
+            and capturing
         ):
             raise CpuOffloadError(
                 f"cpu_offload: cuda_graph=: layer {layer_index} needs new pinned host "
@@ -141,7 +154,14 @@ class GraphHostPool(HostBufferPool):
                 "the capture (it allocates every buffer the captured step needs), or "
                 "upgrade torch to 2.11 or later."
             )
-        return super()._acquire(layer_index, tensors, sizes, layouts)
+        buffers = super()._acquire(layer_index, tensors, sizes, layouts)
+        if capturing:  # the graph's for its life: lent to no other pass
+            self._graphs_own[id(buffers)] = buffers
+        return buffers
+
+    def _release(self, layer_index: int, buffers: list[torch.Tensor | None]) -> None:
+        if id(buffers) not in self._graphs_own:  # a graph's are kept for its replays
+            super()._release(layer_index, buffers)
 
     def empty_cache(self) -> None:
         if self.captured:

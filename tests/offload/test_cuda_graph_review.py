@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import modeled_device
 
 from cpu_offload import get_cpu_offload_context
 from cpu_offload.errors import CpuOffloadError
@@ -40,6 +41,17 @@ def step(layers: Any, x: torch.Tensor, ctx: Any, sync_fn: Any) -> None:
             x = layer(x)
         x = sync_fn(x)
     x.sum().backward()
+
+
+def forward(model: Any, x: torch.Tensor, ctx: Any = None, sync_fn: Any = None) -> torch.Tensor:
+    for layer in model:
+        if ctx is None:
+            x = layer(x)
+        else:
+            with ctx:
+                x = layer(x)
+            x = sync_fn(x)
+    return x.square().sum()
 
 
 def activations(rows: int = 1024) -> torch.Tensor:
@@ -169,3 +181,51 @@ def test_before_torch_2_11_a_warmed_up_capture_allocates_nothing_and_replays(mon
         torch.cuda.synchronize()
         assert run.live.timeline.copied["d2h"] > moved
     assert ctx.report().host_allocations == 0 and ctx.report().cuda_graph.replay
+
+
+@pytest.mark.parametrize("scope", [True, "layer"])
+def test_an_eager_pass_in_flight_across_a_replay_keeps_its_offloaded_values(scope):
+    """An eager forward's offloaded layers wait on the host while the captured step is
+    replayed, then its backward runs (a step outside the graph interleaved with
+    replays, an evaluation pass kept for later): the replay's copies must not write
+    into the eager pass's host buffers.  Data mode: the eager pass's input gradient
+    equals the one computed without offload."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        for _ in range(L)
+    )
+    generator = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 32, generator=generator) for _ in range(3)]
+    leaf = xs[1].clone().requires_grad_()
+    want = forward(model, leaf)
+    want.backward()
+    want_grad, leaf.grad = leaf.grad, None
+    static_x = torch.zeros(xs[0].shape, requires_grad=True)
+    static_x.grad = torch.zeros_like(static_x)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    grads = [static_x.grad, *(p.grad for p in model.parameters())]
+    with timed_runtime(modeled_device(), data=True) as run:
+        live = run.live
+        ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=scope)
+
+        def step() -> torch.Tensor:
+            for grad in grads:
+                grad.zero_()
+            loss = forward(model, static_x, ctx, sync_fn)
+            loss.backward()
+            return loss
+
+        static_x.detach().copy_(xs[0])
+        step()
+        graph = live.CUDAGraph()
+        with live.graph(graph, stream=live.Stream()):
+            step()
+        loss = forward(model, leaf, ctx, sync_fn)  # eager, its offloaded layers on the host
+        static_x.detach().copy_(xs[2])
+        graph.replay()
+        loss.backward()
+        live.synchronize()
+    assert torch.equal(loss.detach(), want.detach())
+    assert torch.equal(leaf.grad, want_grad)
