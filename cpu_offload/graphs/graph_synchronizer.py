@@ -12,8 +12,11 @@ NOTE [A captured step]
       capture took are the graph's alone (an eager pass gets its own: a replay would
       overwrite what an eager pass in flight offloaded).  A captured copy is not timed.
     * Device buffers of a reload are allocated on the capturing stream, from the
-      graph's pool, and handed to no other stream (:class:`CaptureBackend` ignores
-      ``record_stream`` while capturing; backward runs on the capturing stream).
+      graph's pool.  Popped on another stream (a layer whose ops run on a side stream
+      joined to the capture), they are handed to ``record_stream`` for it, as in eager:
+      PyTorch's allocator honours it during a capture by keeping the block out of the
+      capture's reuse until the capture ends, where without it the capture would bake
+      in a reuse of memory the other stream still reads.
     * The copy stream forks from the capturing stream (it waits for an event recorded
       there before each copy, as in eager) and joins it, as in eager: the capturing
       stream waits for a layer's offload before its device memory is released, for its
@@ -74,8 +77,7 @@ PINNED_IN_CAPTURE = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 11)
 
 
 class CaptureBackend:
-    """A device backend as it is, but for ``record_stream``, which does nothing while the
-    current stream is captured, and for waits outside a capture on events recorded in
+    """A device backend as it is, but for waits outside a capture on events recorded in
     one, which are not made (NOTE [A captured step]); every other call is the device
     backend's."""
 
@@ -85,10 +87,6 @@ class CaptureBackend:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.wrapped, name)
-
-    def record_stream(self, tensor: Any, stream: Stream) -> None:
-        if not self.wrapped.is_capturing():
-            self.wrapped.record_stream(tensor, stream)
 
     def record_event(self, stream: Stream | None = None) -> Event:
         event = self.wrapped.record_event(stream)

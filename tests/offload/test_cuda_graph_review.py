@@ -229,3 +229,41 @@ def test_an_eager_pass_in_flight_across_a_replay_keeps_its_offloaded_values(scop
         live.synchronize()
     assert torch.equal(loss.detach(), want.detach())
     assert torch.equal(leaf.grad, want_grad)
+
+
+def reloaded_on_compute_popped_on_another_stream(capturing: bool) -> int:
+    """A backward in two parts: down to layer 1's output on compute (which starts the
+    reloads of layers 0 and 1 there), the rest on another stream, which pops them;
+    compute then allocates again.  ``capturing``: the offloader is told its stream is
+    captured (the flag faked, the work run, so the allocator's reuse checks run: a
+    capture bakes in the same reuse, and PyTorch's allocator honours ``record_stream``
+    during a capture by keeping the block out of the capture's reuse)."""
+    layers = [torch.nn.Linear(512, 512, device="meta") for _ in range(L)]
+    x = torch.empty(1024, 512, device="meta", requires_grad=True)
+    with timed_runtime("h100") as run, modeled_cuda(run.live):
+        ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=True)
+        backend = ctx.offload_synchronizer.backend
+        h, outputs = x, []
+        for layer in layers:
+            with ctx:
+                h = layer(h).relu()
+            h = sync_fn(h)
+            outputs.append(h)
+        backend.wrapped.is_capturing = lambda: capturing
+        (grad,) = torch.autograd.grad(h.sum(), outputs[1])
+        other = torch.cuda.Stream()
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(other):
+            outputs[1].backward(grad)
+        backend.wrapped.is_capturing = lambda: False
+        for _ in range(4):
+            torch.empty(1024, 512, device="cuda").fill_(0)
+    return run.block_reuses
+
+
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "captured"])
+def test_a_reloaded_tensor_popped_on_another_stream_is_recorded_for_it_under_capture(capturing):
+    """Before the fix ``CaptureBackend`` dropped ``record_stream`` while capturing: the
+    reloaded blocks went back to compute's pool while the other stream (and the copy it
+    waited for) still used them."""
+    assert reloaded_on_compute_popped_on_another_stream(capturing) > 0
