@@ -133,6 +133,15 @@ class _Block:
         return view
 
 
+#: why a pool's ``retain`` buffers keep their layouts, and the fix: the error of a layer
+#: whose layouts changed says both (a CUDA graph's pool says its own)
+RETAIN_FIXED = (
+    "retain_pinned_cpu_buffers=True keeps each layer's host buffers for the next pass",
+    "Keep shapes (sequence length, batch size) fixed between iterations, or pass "
+    "retain_pinned_cpu_buffers=False.",
+)
+
+
 class HostBufferPool:
     """Hands out host buffers to layers and takes them back when their data goes.
 
@@ -145,6 +154,8 @@ class HostBufferPool:
         max_bytes: the most the pool may reserve (None: no cap).
         stats: where tensors refused by the cap are counted.
     """
+
+    fixed = RETAIN_FIXED  # why retained buffers keep their layouts, and the fix
 
     def __init__(
         self,
@@ -166,12 +177,10 @@ class HostBufferPool:
         self._free: defaultdict[int, list[_Block]] = defaultdict(list)
         self._lent: dict[int, _Block] = {}  # id(view) -> its block (and the bytes asked)
         self._retained: defaultdict[int, list[list[torch.Tensor | None]]] = defaultdict(list)
-        self._reserved = 0
-        self._in_use = 0
+        self._reserved = self._in_use = 0
         self._requested = 0  # bytes the views in use ask for
         self._peak_requested = 0
-        self._num_alloc = 0
-        self._num_free = 0
+        self._num_alloc = self._num_free = 0
         self._threshold: int | None = -1  # the backend's host_round_threshold (-1: unasked)
         # Passes of several threads share the pool.  Re-entrant: a garbage collection
         # inside ``acquire`` may run a layer's finalizer, which gives its buffers back.
@@ -208,7 +217,7 @@ class HostBufferPool:
     ) -> list[torch.Tensor | None]:
         if self.retain and self._retained[layer_index]:
             # Checked before it is taken: after the error the set is still the layer's.
-            _check_same_layout(layer_index, self._retained[layer_index][-1], tensors)
+            _check_same_layout(layer_index, self._retained[layer_index][-1], tensors, self.fixed)
             return self._retained[layer_index].pop()
         if sizes is None:
             sizes = [_nbytes(t) for t in tensors]
@@ -401,7 +410,10 @@ def _warn_host_refused(size: int, reserved: int, error: BaseException) -> None:
 
 
 def _check_same_layout(
-    layer_index: int, buffers: list[torch.Tensor | None], tensors: list[torch.Tensor]
+    layer_index: int,
+    buffers: list[torch.Tensor | None],
+    tensors: list[torch.Tensor],
+    fixed: tuple[str, str],
 ) -> None:
     found = [_layout(t) for t in tensors]
     expected = [None if b is None else _layout(b) for b in buffers]
@@ -409,10 +421,9 @@ def _check_same_layout(
         e is not None and e != f for e, f in zip(expected, found)
     ):
         raise CpuOffloadError(
-            f"cpu_offload: retain_pinned_cpu_buffers=True but layer {layer_index} "
-            f"saved tensors with other (shape, stride, dtype) than in the previous iteration: "
-            f"expected {expected}, found {found}. Keep shapes (sequence length, batch "
-            "size) fixed between iterations, or pass retain_pinned_cpu_buffers=False."
+            f"cpu_offload: {fixed[0]}, but layer {layer_index} saved tensors with other "
+            f"(shape, stride, dtype) than in the previous iteration: expected {expected}, "
+            f"found {found}. {fixed[1]}"
         )
 
 

@@ -7,11 +7,16 @@ NOTE [A captured step]
 
     * Host buffers are fixed: each layer keeps its pinned buffers for the next passes
       (the pool's ``retain`` mode), allocated in the eager warm-up steps before the
-      capture (or during it where the device allows), never lent to another layer
-      while a graph that copies into them may replay.
+      capture (or during it where the device allows: torch 2.11 and later), never
+      lent to another layer while a graph that copies into them may replay; the sets a
+      capture took are the graph's alone (an eager pass gets its own: a replay would
+      overwrite what an eager pass in flight offloaded).  A captured copy is not timed.
     * Device buffers of a reload are allocated on the capturing stream, from the
-      graph's pool, and handed to no other stream (:class:`CaptureBackend` ignores
-      ``record_stream`` while capturing; backward runs on the capturing stream).
+      graph's pool.  Popped on another stream (a layer whose ops run on a side stream
+      joined to the capture), they are handed to ``record_stream`` for it, as in eager:
+      PyTorch's allocator honours it during a capture by keeping the block out of the
+      capture's reuse until the capture ends, where without it the capture would bake
+      in a reuse of memory the other stream still reads.
     * The copy stream forks from the capturing stream (it waits for an event recorded
       there before each copy, as in eager) and joins it, as in eager: the capturing
       stream waits for a layer's offload before its device memory is released, for its
@@ -63,12 +68,16 @@ from ..report.graph_report import GraphStepReport, GraphSteps
 from ..report.step_record import StepRecord
 from ..report.step_report import StepReport
 
-__all__ = ["CaptureBackend", "GraphHostPool", "GraphSynchronizer"]
+__all__ = ["PINNED_IN_CAPTURE", "CaptureBackend", "GraphHostPool", "GraphSynchronizer"]
+
+#: whether torch can allocate pinned host memory while a stream is captured (its
+#: caching host allocator, since 2.11 and its pre-releases: pytorch#167507); before,
+#: a capture that allocates one fails inside CUDA, so the pool says what to do instead
+PINNED_IN_CAPTURE = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 11)
 
 
 class CaptureBackend:
-    """A device backend as it is, but for ``record_stream``, which does nothing while the
-    current stream is captured, and for waits outside a capture on events recorded in
+    """A device backend as it is, but for waits outside a capture on events recorded in
     one, which are not made (NOTE [A captured step]); every other call is the device
     backend's."""
 
@@ -78,10 +87,6 @@ class CaptureBackend:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.wrapped, name)
-
-    def record_stream(self, tensor: Any, stream: Stream) -> None:
-        if not self.wrapped.is_capturing():
-            self.wrapped.record_stream(tensor, stream)
 
     def record_event(self, stream: Stream | None = None) -> Event:
         event = self.wrapped.record_event(stream)
@@ -102,10 +107,59 @@ class GraphHostPool(HostBufferPool):
     """The host pool of a context under CUDA graphs: each layer keeps its buffers
     (``retain``), and keeps them: a captured graph copies into them at every replay, so
     once a step was captured :meth:`empty_cache` refuses to free them (freed pinned
-    blocks go back to torch's cache, which hands them to others)."""
+    blocks go back to torch's cache, which hands them to others), and the sets a
+    capture took are the graph's alone: an eager pass (warm-up, a step between
+    replays) gets sets of its own, which a replay cannot overwrite while it waits for
+    its backward."""
 
     #: a step was captured: a graph may copy into the buffers at any replay
     captured = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: the buffer sets a capture copies into, by id: a replay writes them while an
+        #: eager pass in flight would hold its own offloaded data there
+        self._graphs_own: dict[int, list[torch.Tensor | None]] = {}
+
+    fixed = (
+        "cuda_graph= keeps each offloaded layer's pinned host buffers at fixed addresses "
+        "(a captured graph copies into them at every replay)",
+        "Keep shapes fixed between steps, as a CUDA graph replays one shape (pad to one "
+        "sequence length, drop the last partial batch: DataLoader(drop_last=True)); steps "
+        "of another shape need an offload context of their own.",
+    )
+
+    def _acquire(
+        self,
+        layer_index: int,
+        tensors: list[torch.Tensor],
+        sizes: list[int] | None,
+        layouts: Any,
+    ) -> list[torch.Tensor | None]:
+        backend = self._backend
+        capturing = backend.is_capturing()
+        if (
+            not PINNED_IN_CAPTURE
+            and not self._retained[layer_index]
+            and backend.pin_memory
+            and capturing
+        ):
+            raise CpuOffloadError(
+                f"cpu_offload: cuda_graph=: layer {layer_index} needs new pinned host "
+                f"buffers while its stream is captured, and torch {torch.__version__} "
+                "cannot allocate pinned memory during a CUDA graph capture (torch 2.11 "
+                "can: pytorch#167507). Run one eager step with the same shapes before "
+                "the capture (it allocates every buffer the captured step needs), or "
+                "upgrade torch to 2.11 or later."
+            )
+        buffers = super()._acquire(layer_index, tensors, sizes, layouts)
+        if capturing:  # the graph's for its life: lent to no other pass
+            self._graphs_own[id(buffers)] = buffers
+        return buffers
+
+    def _release(self, layer_index: int, buffers: list[torch.Tensor | None]) -> None:
+        if id(buffers) not in self._graphs_own:  # a graph's are kept for its replays
+            super()._release(layer_index, buffers)
 
     def empty_cache(self) -> None:
         if self.captured:

@@ -22,7 +22,9 @@ class CopyTimer:
     """Records timing events around each layer's copies on the offload stream.
 
     Set ``synchronizer.copy_timer = CopyTimer(synchronizer.backend)`` before a forward
-    pass; read :meth:`bandwidth` after the device is synchronized.
+    pass; read :meth:`bandwidth` after the device is synchronized.  Copies captured
+    into a CUDA graph are not timed (an event recorded during a capture has no time:
+    CUDA's ``elapsed_time`` of it fails).
     """
 
     def __init__(self, backend: DeviceBackend) -> None:
@@ -30,11 +32,16 @@ class CopyTimer:
         self.spans: list[_Span] = []
 
     def start(self, stream: Any) -> Any:
+        """A timing event recorded on ``stream``, or None while the stream is captured."""
+        if self.backend.is_capturing():
+            return None
         event = self.backend.timing_event()
         event.record(stream)
         return event
 
     def stop(self, direction: str, nbytes: int, start: Any, stream: Any) -> None:
+        if start is None:  # captured: not timed
+            return
         end = self.backend.timing_event()
         end.record(stream)
         self.spans.append(_Span(direction, nbytes, start, end))

@@ -33,7 +33,7 @@ NOTE [Modeled CUDA graphs]
       ``cudaErrorCapturedEvent`` (an event last recorded in a capturing stream); so is,
       in the model, any use of such an event outside its capture, a wait from eager
       code or from another capture included (CUDA refuses those as well: pytorch#192000;
-      the model gives them this kind);
+      the model gives them this kind); its ``elapsed_time`` is cudaErrorInvalidValue;
     - a copy between pageable host memory and the device on a capturing stream: the
       ``RuntimeError`` of PyTorch's check (pytorch#172156, since 2.11; the copy is not
       issued and the capture stays valid).  Pinned copies, and pinned allocation
@@ -90,6 +90,7 @@ IMPLICIT = "cudaErrorStreamCaptureImplicit"
 UNJOINED = "cudaErrorStreamCaptureUnjoined"
 UNMATCHED = "cudaErrorStreamCaptureUnmatched"
 CAPTURED_EVENT = "cudaErrorCapturedEvent"
+INVALID_VALUE = "cudaErrorInvalidValue"
 UNPINNED = "pytorch#172156 unpinned copy during capture"
 UNCAPTURED = "uncaptured work on captured memory"
 FREED = "memory freed under a copy in flight"
@@ -276,6 +277,17 @@ class Capture:
         """``what`` (a wait, ``synchronize``, ``query``) of an event last recorded in this
         capture, from outside it: the event is an edge of the graph, not a point of work."""
         return CaptureError(CAPTURED_EVENT, self.outside(what))
+
+    def untimed(self) -> CaptureError:
+        """``elapsed_time`` of an event last recorded in this capture: CUDA answers
+        cudaErrorInvalidValue (a captured record is a dependency of the graph, not a
+        timestamp; NVIDIA/warp#556, #983)."""
+        return CaptureError(
+            INVALID_VALUE,
+            f"event.elapsed_time() of an event last recorded during the capture on "
+            f"{self.origin.clock.name}: a captured record marks no time. Time a graph "
+            "from outside its replay, or with events made with Event(external=True).",
+        )
 
     def outside(self, what: str) -> str:
         return (

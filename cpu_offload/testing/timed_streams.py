@@ -135,4 +135,10 @@ class TimedEvent:
             raise self.captured[0].used_after("event.query()")
         return self.stream is None or self.time <= self.runtime.timeline.host
 
-    elapsed_time = HostTimingEvent.elapsed_time  # milliseconds from this event to ``end``
+    def elapsed_time(self, end: TimedEvent) -> float:
+        """Milliseconds from this event to ``end``; refused for an event last recorded
+        in a capture (a graph's edge, with no time of its own)."""
+        for event in (self, end):
+            if event.captured is not None:
+                raise event.captured[0].untimed()
+        return HostTimingEvent.elapsed_time(self, end)  # type: ignore[arg-type]

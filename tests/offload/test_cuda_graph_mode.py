@@ -1,9 +1,10 @@
 """``cuda_graph=``: the offloader inside a captured step (issue 53), on the simulated streams
 with a capture whose rules are checked here: what CUDA refuses during a capture (a host
-synchronisation, ``record_stream``, a wait on an event recorded outside the capture, a side
-stream used before it forked from the capturing stream or left unjoined at the capture's
-end), and host allocations in steady state.  Gradients are compared with a run without
-offload (``torch.equal``)."""
+synchronisation, a wait on an event recorded outside the capture, a side stream used before
+it forked from the capturing stream or left unjoined at the capture's end), and host
+allocations in steady state.  (``record_stream`` is allowed: PyTorch's allocator keeps such
+a block out of the capture's reuse until the capture ends.)  Gradients are compared with a
+run without offload (``torch.equal``)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class CaptureRules:
         sim = self.sim
         sim.is_capturing = lambda: self.capturing
         new_event, wait_event, copy = sim.new_event, sim.wait_event, sim.copy
-        record_stream, synchronize = sim.record_stream, sim.synchronize
+        synchronize = sim.synchronize
         empty_host = sim.empty_host_bytes
 
         def made_event() -> Any:
@@ -87,7 +88,6 @@ class CaptureRules:
             return empty_host(nbytes)
 
         sim.new_event, sim.wait_event, sim.copy = made_event, waited, copied
-        sim.record_stream = lambda t, s: (self._refuse("record_stream"), record_stream(t, s))
         sim.synchronize = lambda: (self._refuse("synchronize"), synchronize())
         sim.empty_host_bytes = host_bytes
 
