@@ -64,6 +64,7 @@ from ..engine.host_buffers import HostBufferPool
 from ..engine.synchronizer import DefaultOffloadSynchronizer
 from ..engine.transitions import LayerState
 from ..errors import CpuOffloadError
+from ..log import warn
 from ..report.graph_report import GraphStepReport, GraphSteps
 from ..report.step_record import StepRecord
 from ..report.step_report import StepReport
@@ -185,6 +186,18 @@ def capture_changed(layer: int, captured: bool) -> str:
     )
 
 
+#: a step whose offloaded layers saved nothing inside the context, before any capture
+GRAPHED_OUTSIDE = (
+    "cpu_offload: cuda_graph= is set, but the offloaded layers saved nothing for backward "
+    "inside the offload context, and no CUDA graph capture has run inside it. Layers "
+    "graphed with the context entered around the graphed call (as Megatron's blocks enter "
+    "it around each layer) run as replays that the context cannot see: nothing is "
+    "offloaded. Enter the offload context inside each graphed callable, so that the "
+    "capture records its copies (docs/cuda_graphs.md, per-layer graphs). This warning is "
+    "shown once."
+)
+
+
 def saved_nothing(record: StepRecord) -> bool:
     """Whether no layer of the step saved a tensor (its forwards were graph replays)."""
     for source in record.layers:
@@ -219,6 +232,7 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
         self._eager_since_capture = False
         self._captured_pass: int | None = None  # the index of the pass captured last
         self._captured_allocations = 0  # its host allocations so far
+        self._warned_outside = False  # GRAPHED_OUTSIDE said
 
     def describe(self) -> str:
         return f"{super().describe()}; cuda_graph={self.cuda_graph!r}"
@@ -281,6 +295,9 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
         if steps.captures and saved_nothing(record):
             self._eager_since_capture = False  # a forward through graphed layers: a replay
             return
+        if saved_nothing(record) and not self._warned_outside:
+            self._warned_outside = True  # graphs captured outside the context, or no saves
+            warn(GRAPHED_OUTSIDE)
         steps.warmup_steps += not steps.captures
         self._last_captured = False
         super().end_step(record)

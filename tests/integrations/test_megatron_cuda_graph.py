@@ -45,6 +45,7 @@ from megatron_graphs import (
     whole_step,
 )
 
+from cpu_offload.graphs.graph_synchronizer import GRAPHED_OUTSIDE
 from cpu_offload.integrations import megatron as megatron_offload
 from cpu_offload.testing import timed_runtime
 from cpu_offload.testing.cuda_graphs import INVALIDATED, UNJOINED, UNSUPPORTED, CaptureError
@@ -285,12 +286,15 @@ def test_the_blocks_context_around_graphed_layers_moves_nothing(megatron):
     """Graphed as Megatron graphs them (the layer alone, its block entering the context
     around the graphed call), a layer saves nothing for its backward that the context
     sees: its activations stay in the graph's memory.  Replays compute eager's values
-    and move nothing, and the report shows no captured step: why the context goes
-    inside each graphed callable (docs/megatron.md)."""
+    and move nothing, the report shows no captured step, and one warning says why and
+    that the context goes inside each graphed callable (docs/megatron.md)."""
     example, device = megatron
     data = example.batches(device, 3)
     want = expected(example.build(None, device), data, model_and_loss)
-    found = per_layer(megatron, "cuda", data, inside=False)
+    with pytest.warns(UserWarning) as warned:
+        found = per_layer(megatron, "cuda", data, inside=False)
+    said = [str(w.message) for w in warned if "cuda_graph=" in str(w.message)]
+    assert said == [GRAPHED_OUTSIDE]  # once, not silently
     assert found.eager is not None and found.eager[0][0] > 0  # the warm-up step offloads
     for (moved, values), wanted in zip(found.replays, want):
         assert moved == (0, 0)

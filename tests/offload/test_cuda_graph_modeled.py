@@ -230,3 +230,28 @@ def test_a_policy_with_checkpoints_captured_as_a_step_replays_what_eager_moves()
     graphed, report = policy_replays(policy, True)
     assert graphed == eager and eager[0][0] > 0
     assert report.cuda_graph.replay and report.recomputed_layers == [0, 1]
+
+
+def test_layers_graphed_outside_the_context_say_that_nothing_moves():
+    """Layers graphed on their own with the context entered around each graphed call
+    (as Megatron's blocks enter it) save nothing the context sees: one warning says so,
+    and what to do, instead of a run that silently offloads nothing."""
+    from cpu_offload.graphs.graph_synchronizer import GRAPHED_OUTSIDE
+
+    with timed_runtime("h100") as run, modeled_cuda(run.live):
+        ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph="layer")
+        graphed = torch.cuda.make_graphed_callables(
+            tuple(blocks()), tuple((activations(),) for _ in range(L))
+        )
+        x = activations()
+        with pytest.warns(UserWarning) as warned:
+            for _ in range(2):
+                y = x
+                for layer in graphed:
+                    with ctx:
+                        y = layer(y)
+                    y = sync_fn(y)
+                y.sum().backward()
+        torch.cuda.synchronize()
+    assert [str(w.message) for w in warned] == [GRAPHED_OUTSIDE]
+    assert run.d2h_bytes == 0
