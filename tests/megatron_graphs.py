@@ -6,10 +6,10 @@ same step eager without offload."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cuda_graph_steps import Replays, capture_and_replay
 from helpers import modeled_device
 
 from cpu_offload.testing import timed_runtime
@@ -38,35 +38,6 @@ def expected(model: torch.nn.Module, data: list, step: Callable) -> list[list[to
     return found
 
 
-def assert_equal(want: list[torch.Tensor], have: list[torch.Tensor]) -> None:
-    assert len(want) == len(have)
-    for a, b in zip(want, have):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-class Moved:
-    """The bytes a block moved each way on the runtime's copy engines."""
-
-    def __init__(self, live: Any) -> None:
-        self.live = live
-        self.start = dict(live.timeline.copied)
-
-    def since(self) -> tuple[int, int]:
-        copied = self.live.timeline.copied
-        return copied["d2h"] - self.start["d2h"], copied["h2d"] - self.start["h2d"]
-
-
-@dataclass
-class Replays:
-    """What the eager warm-up step and each replay moved and computed, the report
-    after them, and the strict simulator's hazards."""
-
-    eager: tuple[tuple[int, int], list[torch.Tensor]] | None = None
-    replays: list[tuple[tuple[int, int], list[torch.Tensor]]] = field(default_factory=list)
-    report: Any = None
-    hazards: int = -1
-
-
 def whole_step(
     flavour: str, build: Callable[[], tuple[torch.nn.Module, Any]], step: Callable, data: list
 ) -> Replays:
@@ -87,37 +58,11 @@ def whole_step(
                 grad.zero_()
             return step(model, static)  # type: ignore[no-any-return]
 
-        moved = Moved(live)
-        loss = captured_step()
-        found.eager = moved.since(), [loss.detach().clone(), *(g.clone() for g in grads)]
-        graph = live.CUDAGraph()
-        moved = Moved(live)
-        with live.graph(graph, stream=live.Stream()):
-            static_loss = captured_step()
-        assert moved.since() == (0, 0)  # capture moves nothing
-        for batch in data:
+        def load(batch: list[torch.Tensor]) -> None:
             for buffer, value in zip(static, batch):
                 buffer.copy_(value)
-            moved = Moved(live)
-            graph.replay()
-            values = [static_loss.detach().clone(), *(g.clone() for g in grads)]
-            found.replays.append((moved.since(), values))
+
+        capture_and_replay(live, captured_step, grads, load, data, found)
         found.report = reports.report()
     found.hazards = live.strict.counters.hazards
     return found
-
-
-def assert_replays_eager(found: Replays, want: list[list[torch.Tensor]]) -> None:
-    """The warm-up step and each replay compute eager's values without offload and
-    move the warm-up step's bytes; no strict hazard; the report says so."""
-    assert found.eager is not None
-    (d2h, h2d), values = found.eager
-    assert d2h == h2d > 0
-    assert_equal(want[0], values)
-    assert len(found.replays) == len(want)
-    for (moved, values), wanted in zip(found.replays, want):
-        assert moved == (d2h, h2d)
-        assert_equal(wanted, values)
-    assert found.hazards == 0
-    steps = found.report.cuda_graph
-    assert (steps.captured, steps.replay, steps.captures) == (True, True, 1)

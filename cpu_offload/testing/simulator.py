@@ -97,8 +97,9 @@ _ALLOCATIONS = (
 )
 
 
-class ComputeWatch(TorchDispatchMode):
-    """Stamps writes of compute ops and checks them against queued copies."""
+class CompiledCodeMode(TorchDispatchMode):
+    """A dispatch mode that compiled code runs under: the compute watch and the modeled
+    accelerator's ``OpTiming``."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -107,6 +108,10 @@ class ComputeWatch(TorchDispatchMode):
         are seen one by one, an inductor kernel is not (NOTE [Compiled code on the
         simulator] in simulator.py)."""
         return True
+
+
+class ComputeWatch(CompiledCodeMode):
+    """Stamps writes of compute ops and checks them against queued copies."""
 
     def __init__(self, sim: SimulatedBackend) -> None:
         super().__init__()

@@ -30,7 +30,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..device.kernel_costs import ALIASES, kernel_cost, memory_bytes, storage_id, tensors_in
 from ..device.kernels import DeviceKernels
@@ -42,7 +41,7 @@ from .cuda_graph_api import graph_api
 from .cuda_graphs import GraphPool
 from .device_memory import DeviceMemory, MemoryMark
 from .runtime import FLAVOURS, SyncDebugMode
-from .simulator import ComputeWatch, SimulatedBackend, SimulatedEvent
+from .simulator import CompiledCodeMode, ComputeWatch, SimulatedBackend, SimulatedEvent
 from .timed_report import TimedReport
 from .timed_streams import TimedEvent, TimedStream
 
@@ -269,16 +268,8 @@ class TimedRuntime(SyncDebugMode):
         self.timeline.phase = phase
 
 
-class OpTiming(TorchDispatchMode):
+class OpTiming(CompiledCodeMode):
     """Charges every operator to the modeled accelerator (NOTE [Modeled accelerator])."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """Dynamo compiles under this mode (it is off while dynamo and the compilers
-        trace) and the compiled code runs under it: an ``aot_eager`` graph's operators
-        are seen one by one, an inductor kernel is not (NOTE [Compiled code on the
-        simulator] in simulator.py)."""
-        return True
 
     def __init__(self, runtime: TimedRuntime) -> None:
         super().__init__()

@@ -9,28 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_example, saved_bytes_per_layer
+from helpers import saved_bytes_per_layer
 from hosts import require
 
 from cpu_offload.integrations import megatron as megatron_offload
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    """Megatron-Core initialised in this process (gloo, world size 1), torn down after."""
-    require("megatron.core")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    example = load_example("megatron_gpt")
-    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
-        device = example.initialize(patch.setattr)
-        yield example, device
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def test_the_wrapper_takes_megatrons_seven_positionals():

@@ -24,48 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from helpers import load_example
-from hosts import require
-from megatron_graphs import (
-    DEVICE,
-    FLAVOUR_IDS,
-    FLAVOURS,
-    Moved,
-    Replays,
-    assert_equal,
-    assert_replays_eager,
-    expected,
-    model_and_loss,
-    whole_step,
-)
+from cuda_graph_steps import Moved, Replays, assert_equal, assert_replays_eager
+from megatron_graphs import DEVICE, FLAVOUR_IDS, FLAVOURS, expected, model_and_loss, whole_step
 
 from cpu_offload.graphs.graph_synchronizer import GRAPHED_OUTSIDE
 from cpu_offload.integrations import megatron as megatron_offload
 from cpu_offload.testing import timed_runtime
 from cpu_offload.testing.cuda_graphs import INVALIDATED, UNJOINED, UNSUPPORTED, CaptureError
 from cpu_offload.testing.modeled_cuda import modeled_graph_calls
-
-
-@pytest.fixture(scope="module")
-def megatron():
-    """Megatron-Core initialised in this process (gloo, world size 1), torn down after."""
-    require("megatron.core")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    example = load_example("megatron_gpt")
-    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
-        device = example.initialize(patch.setattr)
-        yield example, device
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 class _TorchOnTheCpu(types.ModuleType):

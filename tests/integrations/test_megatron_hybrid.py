@@ -18,16 +18,10 @@ import warnings
 
 import pytest
 import torch
+from cuda_graph_steps import assert_replays_eager
 from helpers import load_example, saved_bytes_per_layer
 from hosts import require
-from megatron_graphs import (
-    FLAVOUR_IDS,
-    FLAVOURS,
-    assert_replays_eager,
-    expected,
-    model_and_loss,
-    whole_step,
-)
+from megatron_graphs import FLAVOUR_IDS, FLAVOURS, expected, model_and_loss, whole_step
 
 from cpu_offload import offload_layers
 from cpu_offload.integrations import megatron as megatron_offload

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from cuda_graph_steps import InContext, Outer, step
 
 from cpu_offload import get_cpu_offload_context, offload_layers
 from cpu_offload.engine.layer_context import CAPTURE_REFUSED
@@ -34,45 +35,12 @@ class Block(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-class InContext(torch.nn.Module):
-    """A layer that enters the offload context inside its forward, as Megatron's do."""
-
-    def __init__(self, layer: torch.nn.Module, ctx: Any, sync_fn: Any) -> None:
-        super().__init__()
-        self.layer, self.ctx, self.sync_fn = layer, ctx, sync_fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.ctx:
-            y = self.layer(x)
-        return self.sync_fn(y)
-
-
-class Outer(torch.nn.Module):
-    """A module around a layer that ``offload_layers`` hooked (``make_graphed_callables``
-    takes no module with hooks of its own)."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)  # type: ignore[no-any-return]
-
-
 def blocks() -> torch.nn.ModuleList:
     return torch.nn.ModuleList(Block() for _ in range(L))
 
 
 def activations() -> torch.Tensor:
     return torch.empty(8 * H, H, device="cuda", requires_grad=True)
-
-
-def step(layers: Any, x: torch.Tensor, ctx: Any, sync_fn: Any) -> None:
-    for layer in layers:
-        with ctx:
-            x = layer(x)
-        x = sync_fn(x)
-    x.sum().backward()
 
 
 def eager_steps(steps: int) -> tuple[int, int, int]:

@@ -23,11 +23,22 @@ default stream comes first and ``num_warmup_iters=0``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
+from cuda_graph_steps import (
+    InContext,
+    Moved,
+    Outer,
+    Replays,
+    StaticStep,
+    assert_equal,
+    assert_replays_eager,
+    assert_values_and_bytes,
+    capture_and_replay,
+    squared_loss,
+)
 from helpers import modeled_device
 
 from cpu_offload import get_cpu_offload_context, offload_layers
@@ -57,45 +68,16 @@ def inputs() -> list[torch.Tensor]:
     return [torch.randn(BATCH, W, generator=generator) for _ in range(3)]
 
 
-def forward(model: Any, x: torch.Tensor, ctx: Any = None, sync_fn: Any = None) -> torch.Tensor:
-    for layer in model:
-        if ctx is None:
-            x = layer(x)
-        else:
-            with ctx:
-                x = layer(x)
-            x = sync_fn(x)
-    return x.square().sum()
-
-
 def expected() -> list[list[torch.Tensor]]:
     """Per input: the loss, the input's gradient and the parameters', without offload."""
     model, found = layers(), []
     for x in inputs():
         model.zero_grad(set_to_none=True)
         leaf = x.clone().requires_grad_()
-        loss = forward(model, leaf)
+        loss = squared_loss(model, leaf)
         loss.backward()
         found.append([loss.detach(), leaf.grad, *(p.grad for p in model.parameters())])
     return found
-
-
-def assert_equal(want: list[torch.Tensor], have: list[torch.Tensor]) -> None:
-    assert len(want) == len(have)
-    for a, b in zip(want, have):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-class Moved:
-    """The bytes a block moved each way on the runtime's copy engines."""
-
-    def __init__(self, live: Any) -> None:
-        self.live = live
-        self.start = dict(live.timeline.copied)
-
-    def since(self) -> tuple[int, int]:
-        copied = self.live.timeline.copied
-        return copied["d2h"] - self.start["d2h"], copied["h2d"] - self.start["h2d"]
 
 
 def offloaded(api: str, model: torch.nn.ModuleList, scope: Any) -> tuple[Any, Any, Any]:
@@ -112,56 +94,22 @@ def offloaded(api: str, model: torch.nn.ModuleList, scope: Any) -> tuple[Any, An
     return None, None, handle
 
 
-@dataclass
-class Replays:
-    """What an eager step and each replay (or step through graphed layers) moved and
-    computed, the report after them, and the strict simulator's hazards."""
-
-    eager: tuple[tuple[int, int], list[torch.Tensor]] | None = None
-    replays: list[tuple[tuple[int, int], list[torch.Tensor]]] = field(default_factory=list)
-    report: Any = None
-    hazards: int = -1
-
-
 def whole_step(flavour: str, api: str, plant: Callable[[Any], Any] | None = None) -> Replays:
     """An eager warm-up step with offload, then the step captured whole by the runtime's
     ``graph`` and replayed for each input, the input copied into the static one first
     (``plant(synchronizer)`` runs before the capture: a planted bug)."""
     model, xs, found = layers(), inputs(), Replays()
-    static_x = torch.zeros(BATCH, W, requires_grad=True)
-    static_x.grad = torch.zeros_like(static_x)
-    for parameter in model.parameters():  # preallocated: the graph accumulates into them
-        parameter.grad = torch.zeros_like(parameter)
-    grads = [static_x.grad, *(p.grad for p in model.parameters())]
+    step = StaticStep(model, (BATCH, W))
     with timed_runtime(DEVICE, flavour=flavour, data=True) as run:
         live = run.live
         strict = live.strict
-        ctx, sync_fn, reports = offloaded(api, model, True)
+        step.ctx, step.sync_fn, reports = offloaded(api, model, True)
 
-        def step() -> torch.Tensor:
-            for grad in grads:
-                grad.zero_()
-            loss = forward(model, static_x, ctx, sync_fn)
-            loss.backward()
-            return loss
+        def before_capture() -> None:
+            if plant is not None:
+                plant(reports.offload_synchronizer)
 
-        static_x.detach().copy_(xs[0])
-        moved = Moved(live)
-        loss = step()
-        found.eager = moved.since(), [loss.detach().clone(), *(g.clone() for g in grads)]
-        if plant is not None:
-            plant(reports.offload_synchronizer)
-        graph = live.CUDAGraph()
-        moved = Moved(live)
-        with live.graph(graph, stream=live.Stream()):
-            static_loss = step()
-        assert moved.since() == (0, 0)  # capture moves nothing
-        for x in xs:
-            static_x.detach().copy_(x)
-            moved = Moved(live)
-            graph.replay()
-            values = [static_loss.detach().clone(), *(g.clone() for g in grads)]
-            found.replays.append((moved.since(), values))
+        capture_and_replay(live, step, step.grads, step.load, xs, found, before_capture)
         found.report = reports.report()
     found.hazards = strict.counters.hazards
     return found
@@ -173,23 +121,12 @@ def test_eager_steps_between_replays_and_replays_after_them_compute_eager_values
     replays; they share its fixed host buffers.  ``"layer"`` under a whole-step graph
     joins each layer's copies early: slower, the same values."""
     want, model, xs = expected(), layers(), inputs()
-    static_x = torch.zeros(BATCH, W, requires_grad=True)
-    static_x.grad = torch.zeros_like(static_x)
-    for parameter in model.parameters():
-        parameter.grad = torch.zeros_like(parameter)
-    grads = [static_x.grad, *(p.grad for p in model.parameters())]
+    step = StaticStep(model, (BATCH, W))
+    grads = step.grads
     with timed_runtime(DEVICE, data=True) as run:
         live, strict = run.live, run.live.strict
-        ctx, sync_fn, _ = offloaded("get_cpu_offload_context", model, scope)
-
-        def step() -> torch.Tensor:
-            for grad in grads:
-                grad.zero_()
-            loss = forward(model, static_x, ctx, sync_fn)
-            loss.backward()
-            return loss
-
-        static_x.detach().copy_(xs[0])
+        step.ctx, step.sync_fn, _ = offloaded("get_cpu_offload_context", model, scope)
+        step.load(xs[0])
         moved = Moved(live)
         step()
         eager_bytes = moved.since()
@@ -203,7 +140,7 @@ def test_eager_steps_between_replays_and_replays_after_them_compute_eager_values
             (1, "replay"),
             (2, "eager"),
         ]:
-            static_x.detach().copy_(xs[number])
+            step.load(xs[number])
             moved = Moved(live)
             if how == "replay":
                 graph.replay()
@@ -213,31 +150,6 @@ def test_eager_steps_between_replays_and_replays_after_them_compute_eager_values
             assert moved.since() == eager_bytes, how
             assert_equal(want[number], [loss.detach(), *grads])
     assert strict.counters.hazards == 0 and eager_bytes[0] > 0
-
-
-class InContext(torch.nn.Module):
-    """A layer that enters the offload context inside its forward, as Megatron's do."""
-
-    def __init__(self, layer: torch.nn.Module, ctx: Any, sync_fn: Any) -> None:
-        super().__init__()
-        self.layer, self.ctx, self.sync_fn = layer, ctx, sync_fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.ctx:
-            y = self.layer(x)
-        return self.sync_fn(y)  # type: ignore[no-any-return]
-
-
-class Outer(torch.nn.Module):
-    """A module around a layer ``offload_layers`` hooked (``make_graphed_callables``
-    takes no module with hooks of its own)."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)  # type: ignore[no-any-return]
 
 
 def per_layer(flavour: str, api: str, scope: Any = "layer") -> Replays:
@@ -256,7 +168,7 @@ def per_layer(flavour: str, api: str, scope: Any = "layer") -> Replays:
         def step(through: Any, x: torch.Tensor) -> list[torch.Tensor]:
             model.zero_grad(set_to_none=True)
             leaf = x.clone().requires_grad_()
-            loss = forward(through, leaf)
+            loss = squared_loss(through, leaf)
             loss.backward()
             # (cloned: the parameters' gradients are the backward graphs' static outputs)
             values = [loss.detach(), leaf.grad, *(p.grad for p in model.parameters())]
@@ -284,15 +196,7 @@ API = ["get_cpu_offload_context", "offload_layers"]
 def test_a_whole_step_captured_replays_the_eager_steps_values_and_bytes(flavour, api):
     want = expected()
     found = whole_step(flavour, api)
-    assert found.eager is not None
-    (d2h, h2d), values = found.eager
-    assert d2h == h2d > 0
-    assert_equal(want[0], values)  # the warm-up step: eager, with offload
-    assert len(found.replays) == len(want)
-    for (moved, values), wanted in zip(found.replays, want):
-        assert moved == (d2h, h2d)
-        assert_equal(wanted, values)
-    assert found.hazards == 0
+    assert_values_and_bytes(found, want)
     steps = found.report.cuda_graph
     assert (steps.captured, steps.replay, steps.warmup_steps) == (True, True, 1)
     if api.endswith("checkpoints"):  # the checkpointed layers recompute inside the graph
@@ -304,17 +208,7 @@ def test_a_whole_step_captured_replays_the_eager_steps_values_and_bytes(flavour,
 def test_per_layer_graphs_replay_the_eager_steps_values_and_bytes(flavour, api):
     want = expected()
     found = per_layer(flavour, api)
-    assert found.eager is not None
-    (d2h, h2d), values = found.eager
-    assert d2h == h2d > 0
-    assert_equal(want[0], values)
-    assert len(found.replays) == len(want)
-    for (moved, values), wanted in zip(found.replays, want):
-        assert moved == (d2h, h2d)
-        assert_equal(wanted, values)
-    assert found.hazards == 0
-    steps = found.report.cuda_graph
-    assert (steps.captured, steps.replay, steps.captures) == (True, True, 1)
+    assert_replays_eager(found, want)
 
 
 # ------------------------------------------------------------------ planted violations
@@ -342,7 +236,7 @@ def faked(plant: Callable[[Any], Any] | None = None, per_layer_callables: bool =
                     plant(synchronizer)
             model.zero_grad(set_to_none=True)
             leaf = x.clone().requires_grad_()
-            loss = forward(through, leaf, ctx, sync_fn)
+            loss = squared_loss(through, leaf, ctx, sync_fn)
             loss.backward()
             found.append([loss.detach(), leaf.grad, *(p.grad for p in model.parameters())])
         del synchronizer.backend.wrapped.is_capturing
@@ -483,7 +377,7 @@ def test_a_pass_split_across_a_captures_boundary_is_refused_with_the_offloaders_
     with timed_runtime(DEVICE, data=True) as run:
         live = run.live
         ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=True)
-        forward(model, x, ctx, sync_fn).backward()  # warm-up
+        squared_loss(model, x, ctx, sync_fn).backward()  # warm-up
         graph = live.graph(live.CUDAGraph(), stream=live.Stream())
         with pytest.raises(CpuOffloadError) as raised:
             if captured == "layers 1 on":
@@ -491,11 +385,11 @@ def test_a_pass_split_across_a_captures_boundary_is_refused_with_the_offloaders_
                     h = model[0](x)
                 h = sync_fn(h)
                 with graph:
-                    forward(model[1:], h, ctx, sync_fn).backward()
+                    squared_loss(model[1:], h, ctx, sync_fn).backward()
             else:
                 with graph, ctx:
                     h = model[0](x)
-                forward(model[1:], sync_fn(h), ctx, sync_fn).backward()
+                squared_loss(model[1:], sync_fn(h), ctx, sync_fn).backward()
     inside = captured == "layers 1 on"
     assert str(raised.value) == capture_changed(1, not inside)
     now = "inside" if inside else "outside"

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from cuda_graph_steps import StaticStep, squared_loss, step
 from helpers import modeled_device
 
 from cpu_offload import get_cpu_offload_context
@@ -33,25 +34,6 @@ def blocks() -> torch.nn.ModuleList:
     return torch.nn.ModuleList(
         torch.nn.Sequential(torch.nn.Linear(H, H, device="meta"), torch.nn.GELU()) for _ in range(L)
     )
-
-
-def step(layers: Any, x: torch.Tensor, ctx: Any, sync_fn: Any) -> None:
-    for layer in layers:
-        with ctx:
-            x = layer(x)
-        x = sync_fn(x)
-    x.sum().backward()
-
-
-def forward(model: Any, x: torch.Tensor, ctx: Any = None, sync_fn: Any = None) -> torch.Tensor:
-    for layer in model:
-        if ctx is None:
-            x = layer(x)
-        else:
-            with ctx:
-                x = layer(x)
-            x = sync_fn(x)
-    return x.square().sum()
 
 
 def activations(rows: int = 1024) -> torch.Tensor:
@@ -198,32 +180,21 @@ def test_an_eager_pass_in_flight_across_a_replay_keeps_its_offloaded_values(scop
     generator = torch.Generator().manual_seed(1)
     xs = [torch.randn(8, 32, generator=generator) for _ in range(3)]
     leaf = xs[1].clone().requires_grad_()
-    want = forward(model, leaf)
+    want = squared_loss(model, leaf)
     want.backward()
     want_grad, leaf.grad = leaf.grad, None
-    static_x = torch.zeros(xs[0].shape, requires_grad=True)
-    static_x.grad = torch.zeros_like(static_x)
-    for parameter in model.parameters():
-        parameter.grad = torch.zeros_like(parameter)
-    grads = [static_x.grad, *(p.grad for p in model.parameters())]
+    captured = StaticStep(model, xs[0].shape)
     with timed_runtime(modeled_device(), data=True) as run:
         live = run.live
         ctx, sync_fn = get_cpu_offload_context(True, K, L, min_offload_numel=0, cuda_graph=scope)
-
-        def step() -> torch.Tensor:
-            for grad in grads:
-                grad.zero_()
-            loss = forward(model, static_x, ctx, sync_fn)
-            loss.backward()
-            return loss
-
-        static_x.detach().copy_(xs[0])
-        step()
+        captured.ctx, captured.sync_fn = ctx, sync_fn
+        captured.load(xs[0])
+        captured()
         graph = live.CUDAGraph()
         with live.graph(graph, stream=live.Stream()):
-            step()
-        loss = forward(model, leaf, ctx, sync_fn)  # eager, its offloaded layers on the host
-        static_x.detach().copy_(xs[2])
+            captured()
+        loss = squared_loss(model, leaf, ctx, sync_fn)  # eager, its offloaded layers on the host
+        captured.load(xs[2])
         graph.replay()
         loss.backward()
         live.synchronize()
