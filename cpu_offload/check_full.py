@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
@@ -203,12 +204,9 @@ class _SideStream(nn.Module):
 
 def _loss(layers: nn.ModuleList, x: torch.Tensor, ctx: Any = None, sync_fn: Any = None):
     for layer in layers:
-        if ctx is None:
+        with contextlib.nullcontext() if ctx is None else ctx:
             x = layer(x)
-        else:
-            with ctx:
-                x = layer(x)
-            x = sync_fn(x)
+        x = x if sync_fn is None else sync_fn(x)
     return x.square().sum()
 
 
@@ -334,7 +332,7 @@ class _Review:
         pool = ctx.offload_synchronizer.host_buffers
         owned = [t for ts in pool._graphs_own.values() for t in ts if t is not None]
         addresses = {t.untyped_storage().data_ptr() for t in owned}
-        sizes = [t.untyped_storage().nbytes() for t in owned]
+        sizes, alive = [t.untyped_storage().nbytes() for t in owned], weakref.ref(pool)
         del ctx, sync_fn, pool, owned
         gc.collect()
         fresh = [torch.full((n,), 7, dtype=torch.uint8, pin_memory=True) for n in sizes]
@@ -342,8 +340,9 @@ class _Review:
         graph.replay()
         self.rt.synchronize()
         intact = all(bool((t == 7).all()) for t in fresh)
-        shown = "intact" if intact else "OVERWRITTEN by the replay"
-        return intact, f"{reused} of {len(fresh)} new pinned tensors at a graph's address, {shown}"
+        freed, shown = alive() is None, "intact" if intact else "OVERWRITTEN by the replay"
+        figure = f"{reused} of {len(fresh)} new pinned tensors at a graph's address, {shown}"
+        return intact and freed and len(fresh) > 0, figure + ("" if freed else ", context alive")
 
 
 #: NOTE [The review's graph checks]: (label, method, the model's mode, else why not)

@@ -162,3 +162,13 @@ def test_review_d_fails_when_a_side_stream_is_left_unjoined(monkeypatch):
     monkeypatch.setattr(check_full._SideStream, "forward", unjoined)
     status, figure = review("d")
     assert status == "FAIL" and figure.startswith("CaptureError: "), figure
+
+
+def test_review_e_runs_its_device_path_in_the_data_mode():
+    """(e)'s GPU path run in the modeled data mode (whose pinned allocator says nothing of
+    torch's reuse, hence NOT RUN under --simulate): the context is let go, the new pinned
+    tensors are filled and read back after the replay."""
+    with timed_runtime("h100", flavour="cuda", data=True, record=False) as run:
+        review = check_full._Review(run.live, "cpu", 32, 8)
+        holds, figure = review.graph_outlives_its_context()
+    assert (holds, figure) == (True, "0 of 6 new pinned tensors at a graph's address, intact")
