@@ -182,7 +182,7 @@ def pinned_rounding(device: str, simulate: str | None) -> tuple[str, str]:
 #     only (each replay copies what the others do; the model sees no block reuse inside a
 #     capture), (e) NOT RUN.
 
-REVIEW_LAYERS, REVIEW_REPLAYS = 4, 3
+REVIEW_LAYERS, REVIEW_REPLAYS, REVIEW_WIDTH, REVIEW_ROWS = 4, 3, 1024, 4096
 NOT_MODELED = "the modeled pinned allocator does not model torch's reuse of a captured block"
 
 
@@ -375,7 +375,7 @@ def _review_check(device: str, simulate: str | None, label: str, method: str, mo
     """One check of NOTE [The review's graph checks]: (status, figure)."""
     if simulate and model not in ("data", "shapes"):
         return NOT_RUN, model
-    device_review = _Review(graph_runtime(device), device, 1024, 4096)
+    device_review = _Review(graph_runtime(device), device, REVIEW_WIDTH, REVIEW_ROWS)
     around = _modeled_review(simulate, model) if simulate else contextlib.nullcontext(device_review)
     try:
         with around as review, deterministic_algorithms():

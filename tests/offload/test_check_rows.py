@@ -172,3 +172,26 @@ def test_review_e_runs_its_device_path_in_the_data_mode():
         review = check_full._Review(run.live, "cpu", 32, 8)
         holds, figure = review.graph_outlives_its_context()
     assert (holds, figure) == (True, "0 of 6 new pinned tensors at a graph's address, intact")
+
+
+def test_the_review_rows_device_branch_runs_on_a_graph_runtime(monkeypatch):
+    """The device branch (the runtime ``graph_runtime`` gives, deterministic kernels) with
+    the modeled data mode's runtime standing in for the GPU's, small blocks on the CPU:
+    (a), (b), (c) and (e) run and PASS there (d computes on a side stream, which the
+    data mode refuses)."""
+    monkeypatch.setattr(check_full, "REVIEW_WIDTH", 32)
+    monkeypatch.setattr(check_full, "REVIEW_ROWS", 8)
+    with timed_runtime("h100", flavour="cuda", data=True, record=False) as run:
+        monkeypatch.setattr(check_full, "graph_runtime", lambda device: run.live)
+        found = {
+            label: check_full._review_check("cpu", None, label, method, model)
+            for label, method, model in check_full.REVIEW_CHECKS
+        }
+    assert {label: status for label, (status, _) in found.items()} == {
+        "a": "PASS",
+        "b": "PASS",
+        "c": "PASS",
+        "d": "FAIL",
+        "e": "PASS",
+    }, found
+    assert found["d"][1].startswith("StreamHazardError: "), found["d"]
