@@ -9,14 +9,14 @@ NOTE [The first hour on a GPU]
     32 x 8k at k = 24, the pinned allocator's rounding and the host pool against
     ``host_memory_stats()``, layers compiled with ``fullgraph=True``, a step captured
     with ``cuda_graph=True`` and replayed, and the five graph checks of NOTE [The
-    review's graph checks].  Each row reads PASS, FAIL
-    or NOT RUN, with its figure and what it needs; the JSON holds them, and the rows
-    print as a table for docs/benchmarks.md.  With ``--simulate PROFILE`` it runs every
-    row it can on the modeled accelerator on the CPU (the benchmarks' ``--simulate``),
-    so that the command itself is tested in CI before it meets a GPU; a row the model
-    cannot settle says NOT RUN and what it needs.  Rows that run the offloader in this
-    process are in check_rows.py; benchmarks run as processes of their own (the package
-    never imports the benchmark).
+    review's graph checks].  Each row reads PASS, FAIL or NOT RUN, with its figure and
+    what it needs; the JSON holds them, and the rows print as a table for
+    docs/benchmarks.md.  With ``--simulate PROFILE`` it runs every row it can on the
+    modeled accelerator on the CPU (the benchmarks' ``--simulate``), so that the command
+    itself is tested in CI before it meets a GPU; a row the model cannot settle says NOT
+    RUN and what it needs.  Rows that run the offloader in this process are in
+    check_rows.py (the review's graph checks are here, check_rows.py being full);
+    benchmarks run as processes of their own (the package never imports the benchmark).
 """
 
 from __future__ import annotations
