@@ -18,6 +18,7 @@ SIMULATED = {
     "host pool vs host_memory_stats()",
     "compile: fullgraph blocks",
     "cuda_graph: a captured step",
+    "cuda_graph review (a)-(e)",
 }
 
 
@@ -45,6 +46,14 @@ def test_full_simulated_runs_every_row_it_can_and_says_what_the_others_need(tmp_
     assert "bit-identical" in by_name["compile: fullgraph blocks"]["figure"]
     graphed = by_name["cuda_graph: a captured step"]["figure"]
     assert "each of 3 replays moved 288.0 MiB out" in graphed
+    reviewed = by_name["cuda_graph review (a)-(e)"]["figure"]
+    assert [part[:10] for part in reviewed.split("; ")] == [
+        "(a) PASS: ",
+        "(b) PASS: ",
+        "(c) PASS: ",
+        "(d) PASS: ",
+        "(e) NOT RU",
+    ], reviewed
     out = capsys.readouterr().out
     assert "| check (modeled h100) | status | figure | needs |" in out
     assert out.count("| PASS |") == len(SIMULATED)
