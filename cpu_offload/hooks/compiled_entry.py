@@ -201,6 +201,8 @@ class CompiledEntries:
         Raises:
             CpuOffloadError: a layer is compiled, and an option refuses it (:attr:`refuse`).
         """
+        if self._optimized:  # the layers are torch.compile(block) wrappers themselves
+            self._check_allowed()
         found = 0
         for ref in self.layers.values():
             layer = ref()

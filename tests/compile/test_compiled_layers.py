@@ -156,21 +156,23 @@ REFUSED = [
 
 @pytest.mark.parametrize("options, match", REFUSED, ids=["budget", "modules", "checkpoint"])
 @pytest.mark.parametrize("order", ["offload first", "compile first"])
+@pytest.mark.parametrize("style", ["in place", "wrapped"])
 def test_options_whose_hooks_run_inside_the_layer_are_refused_with_compiled_layers(
-    options, match, order
+    options, match, order, style
 ):
     """One clear error that names what works, never a dynamo traceback: at offload_layers
-    when the layers are compiled already, else at the first forward."""
+    when the layers are compiled already (in place, or torch.compile(block) wrappers in
+    their list), else at the first forward."""
     from cpu_offload import CpuOffloadError
 
     model = Decoder("dict")
     if order == "compile first":
-        compile_blocks(model, "in place", "aot_eager")
+        compile_blocks(model, style, "aot_eager")
         with pytest.raises(CpuOffloadError, match=match) as caught:
             offload_layers(model, min_offload_numel=0, **options)
     else:
         handle = offload_layers(model, min_offload_numel=0, **options)
-        compile_blocks(model, "in place", "aot_eager")
+        compile_blocks(model, style, "aot_eager")
         with pytest.raises(CpuOffloadError, match=match) as caught:
             step(model, 1)
         handle.remove()
