@@ -18,10 +18,10 @@ from cpu_offload.models.gpt import Block
 
 
 class MLPBlock(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, factor: int = 2, device: Any = None) -> None:
         super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
+        self.up = nn.Linear(width, factor * width, device=device)
+        self.down = nn.Linear(factor * width, width, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(x)))

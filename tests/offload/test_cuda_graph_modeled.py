@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from cuda_graph_steps import InContext, Outer, step
+from helpers import MLPBlock
 
 from cpu_offload import get_cpu_offload_context, offload_layers
 from cpu_offload.engine.layer_context import CAPTURE_REFUSED
@@ -25,18 +26,8 @@ from cpu_offload.testing.modeled_cuda import modeled_cuda
 H, L, K, REPLAYS = 512, 4, 2, 3
 
 
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(H, 4 * H, device="meta")
-        self.down = torch.nn.Linear(4 * H, H, device="meta")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def blocks() -> torch.nn.ModuleList:
-    return torch.nn.ModuleList(Block() for _ in range(L))
+    return torch.nn.ModuleList(MLPBlock(H, 4, device="meta") for _ in range(L))
 
 
 def activations() -> torch.Tensor:

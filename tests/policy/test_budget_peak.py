@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from helpers import modeled_device
+from helpers import MLPBlock, modeled_device
 
 from cpu_offload import offload_layers
 from cpu_offload.testing import timed_runtime
@@ -17,22 +17,12 @@ H = 256
 MIB = 2**20
 
 
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(H, 4 * H, device="meta")
-        self.down = torch.nn.Linear(4 * H, H, device="meta")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 def budgeted_steps(steps: int, reset_each_step: bool = False):
     """``steps`` steps of four blocks under ``memory_budget=``; per step: the device's
     peak statistic, the modeled allocator's true peak since the start, and the handle's
     measured peak."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(Block() for _ in range(4)))
+    model = torch.nn.Sequential(*(MLPBlock(H, 4, device="meta") for _ in range(4)))
     seen = []
     with timed_runtime(modeled_device()) as run, modeled_cuda(run.live), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the plan's notices
