@@ -24,7 +24,8 @@ model does, measured with every micro-batch its schedule keeps in flight, and th
 runs the plan made for that stage (``keep_passes`` where moving whole passes fits
 better).  Each rank prints, per stage, the passes in flight, the saved peak (the most
 saved-activation bytes the offloader's own counts held on the device at once during the
-planned step), the plan's predicted peak, the peak without offload and the budget; the
+planned step; a checkpointed layer holds its inputs, and its recompute while its
+backward runs), the plan's predicted peak, the peak without offload and the budget; the
 exit code is 1 unless the gradients are bit-identical, the saved peak is within the
 budget and within 2% of the plan.
 """
@@ -45,6 +46,7 @@ from cpu_offload.device.amounts import parse_bytes
 from cpu_offload.device.runtime import distributed_setup
 from cpu_offload.engine.pass_schedule import held_on_device
 from cpu_offload.models.llama import LlamaConfig, LlamaLayer
+from cpu_offload.policy.policy import CHECKPOINTED
 
 CONFIG = LlamaConfig(hidden=64, heads=4, kv_heads=2, ffn=128, layers=0, vocab=128)
 
@@ -83,12 +85,29 @@ class SavedPeak:
             layer.register_full_backward_pre_hook(lambda *_: self.sample())
 
     def sample(self) -> None:
-        measured = self.handle.auto.measured
-        if self.active and measured is not None:
-            saved = [r.saved_bytes if r is not None else 0 for r in measured]
-            stays = [r.kept_bytes if r is not None else 0 for r in measured]
+        measured, plan = self.handle.auto.measured, self.handle.plan
+        if self.active and measured is not None and plan is not None:
+            saved, stays, recompute = planned_bytes(measured, plan.policy)
             passes = self.handle.offload_synchronizer.in_flight_passes()
-            self.peak = max(self.peak, held_on_device(passes, saved, stays))
+            self.peak = max(self.peak, held_on_device(passes, saved, stays, recompute))
+
+
+def planned_bytes(measured, policy) -> tuple[list[int], list[int], list[int]]:
+    """Per layer, from the measured step's records: what it saves in the planned step
+    (a checkpointed layer: its inputs), what of that cannot move, and what its backward
+    saves beside it (a checkpointed layer's recompute: the rest of the layer)."""
+    rows = []
+    for record, choice in zip(measured, policy, strict=True):
+        if record is None:
+            rows.append((0, 0, 0))
+        elif choice in CHECKPOINTED:
+            inputs = record.input_bytes
+            stays = inputs - record.input_offloaded_bytes
+            rows.append((inputs, stays, record.saved_bytes - inputs))
+        else:
+            rows.append((record.saved_bytes, record.kept_bytes, 0))
+    saved, stays, recompute = (list(column) for column in zip(*rows, strict=True))
+    return saved, stays, recompute
 
 
 def run(args, rank: int, world: int, device, offload: bool):

@@ -53,3 +53,18 @@ def test_a_memory_budget_per_stage(schedule, ranks, microbatches, stages):
     assert "keep 1 pass, 3 of 4 moved whole" in output  # stage 0's four passes in flight
     policies = {re.search(r"policy (.*?): gradients", line)[1] for line in lines}
     assert len(policies) >= 2, lines  # a plan per stage, not one for all
+
+
+def test_a_budget_that_checkpoints_in_stages_that_move_passes_whole():
+    """3 MiB with the interleaved schedule: stages 0 and 1 checkpoint a layer and move
+    passes whole; the saved peak (a checkpointed layer: its inputs, and its recompute in
+    its backward) matches the plan (a pass moved whole holds the recompute too) and fits
+    (the example exits 1 otherwise)."""
+    budget = ["--memory-budget", "3MiB", "--copy-bandwidth", "1e10"]
+    output = torchrun(
+        "pipeline_parallel.py", 2, "--schedule", "interleaved", "--microbatches", "8", *budget
+    )
+    lines = re.findall(r"rank \d+: stage \d+, .*?gradients bit-identical: (?:True|False)", output)
+    assert len(lines) == 4 and all(line.endswith(": True") for line in lines), output[-3000:]
+    both = [line for line in lines if "checkpoint" in line and "moved whole" in line]
+    assert {re.search(r"stage (\d+)", line)[1] for line in both} == {"0", "1"}, lines

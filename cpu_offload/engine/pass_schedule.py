@@ -215,13 +215,18 @@ def same_thread(forward_pass: ForwardPass, passes: Sequence[ForwardPass]) -> lis
 
 
 def held_on_device(
-    passes: Sequence[ForwardPass], saved: Sequence[int], stays: Sequence[int]
+    passes: Sequence[ForwardPass],
+    saved: Sequence[int],
+    stays: Sequence[int],
+    recompute: Sequence[int] | None = None,
 ) -> int:
     """The bytes of saved activations ``passes`` hold on the device now, by the
-    offloader's counts: per layer ``saved[j]`` (what a measured step saved) while its
-    state has it on the device (not offloaded, being copied, or reloaded), ``stays[j]``
-    (what cannot move) while its data is on the host, nothing once its backward ran or
-    before its forward."""
+    offloader's counts: per layer ``saved[j]`` (what the layer saves in a step: a
+    checkpointed layer's inputs) while its state has it on the device (not offloaded,
+    being copied, or reloaded), ``stays[j]`` (what cannot move) while its data is on the
+    host, nothing once its backward ran or before its forward; and while the backward of
+    layer ``j`` runs, ``recompute[j]`` more (a checkpointed layer's recompute: what it
+    saves beside its inputs; none where None)."""
     on_host = (LayerState.OFFLOAD_FINISHED,)
     total = 0
     for forward_pass in passes:
@@ -230,6 +235,8 @@ def held_on_device(
         for layer in range(forward_pass.layers_forwarded):
             if done or (backward_at is not None and layer > backward_at):
                 continue
+            if layer == backward_at and recompute is not None:
+                total += recompute[layer]
             state = forward_pass.made_state(layer)
             total += stays[layer] if state is not None and state.state in on_host else saved[layer]
     return total

@@ -124,7 +124,7 @@ def stage_rows(
     per_layer = PassBytes(
         peak, results.end_of_forward_bytes, results.end_of_forward_bytes, peak, None
     )
-    moved_whole = moved_pass(whole, stays)
+    moved_whole = moved_pass(whole, stays, running=saved)  # the recompute in backward
     fifo = fifo_order(n)
     rows, keeps, peaks, steps, hosts = [], [], [], [], []
     candidates = np.arange(len(codes))

@@ -11,7 +11,8 @@ from helpers import PIPELINE_ORDERS, MLPBlock, assert_bit_identical
 from cpu_offload import offload_layers
 from cpu_offload.plan.policy_search import PolicySearch
 from cpu_offload.plan.schedule_model import LayerCosts, simulate_policy
-from cpu_offload.plan.stage_plan import choose_for_stage
+from cpu_offload.plan.stage_plan import choose_for_stage, stage_rows, stage_step
+from cpu_offload.policy.policy import POLICY_CHOICES
 
 WIDTH, ROWS = 64, 256
 #: GPipe with 8 micro-batches: all 8 in flight on every stage
@@ -111,3 +112,19 @@ def test_the_stage_peak_counts_the_passes_that_wait():
     assert not closest.fits and "8 forward passes in flight" in closest.why
     assert closest.predicted.peak_bytes == moved_whole
     assert choose_for_stage(search, by_layer, None, in_flight=1).in_flight == 1
+
+
+def test_a_moved_pass_holds_its_checkpointed_layers_recompute_in_backward():
+    """Two layers of 4 MiB (1 MiB of inputs), the first offloaded and the second
+    checkpointed, four passes in flight, one kept: the backward of a pass moved whole
+    holds, at its checkpointed last layer, the layer's recompute (4 MiB, not its 1 MiB of
+    inputs) beside its first layer being reloaded (4 MiB), while the next pass brought back
+    holds its last layer's inputs (1 MiB); the closed form that ranks the candidates says
+    the same as the stage model."""
+    layer = costs(4 * MiB, inputs=MiB)
+    search = PolicySearch.of_layers([layer] * 2, 1e12, 1e12)
+    choices = ["offload", "checkpoint"]
+    code = next(i for i, c in enumerate(search.codes) if [POLICY_CHOICES[x] for x in c] == choices)
+    assert stage_step(search, search.codes[code], 1, 4).peak_bytes == 9 * MiB
+    rows, keeps, peaks, _, _ = stage_rows(search, 4)
+    assert peaks[(rows == code) & (keeps == 1)].tolist() == [9 * MiB]

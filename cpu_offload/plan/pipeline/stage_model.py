@@ -21,7 +21,9 @@ NOTE [A stage's passes in flight]
       (``stays``); while it waits, ``stays``; brought back (when an older pass's
       backward starts and its place in the queue drops below ``N``), its last layer
       whole too; in its backward, at layer ``j``, layers ``j`` and ``j - 1`` whole
-      (``j - 1`` being reloaded) beside ``stays`` below.
+      (``j - 1`` being reloaded) beside ``stays`` below, a checkpointed layer ``j``
+      every byte its recompute saves (``running``: the whole layer, as in a kept
+      pass's backward, not only its inputs).
     - ZB-V's split backward (NOTE [A backward in two phases] in engine/weight_pass.py):
       ``I`` runs as a backward of the pass's policy, but the retained graph keeps what
       stays of the layers it passed; from its end to ``W`` the pass holds what stays
@@ -139,20 +141,24 @@ def kept_pass(row: PlanRow, input: Any = None, split: Any = None, weight: Any = 
     return PassBytes(forward, eof, eof, backward, split, input, weight)
 
 
-def moved_pass(whole: Any, stays: Any, split: tuple[Any, Any, Any] | None = None) -> PassBytes:
+def moved_pass(
+    whole: Any, stays: Any, split: tuple[Any, Any, Any] | None = None, running: Any = None
+) -> PassBytes:
     """A pass moved whole, from each layer's ``whole`` and ``stays`` bytes (one row per
     layer's bytes, or one row per candidate policy and a column per layer); ``split``:
-    what it holds in ZB-V's split backward (``input``, ``split``, ``weight``)."""
+    what it holds in ZB-V's split backward (``input``, ``split``, ``weight``);
+    ``running``: what each layer holds while its own backward runs (a checkpointed
+    layer's recompute saves the whole layer again; ``whole`` where None)."""
     whole, stays = np.atleast_2d(whole), np.atleast_2d(stays)
+    running = whole if running is None else np.atleast_2d(running)
     layers = whole.shape[1]
     below = np.concatenate([np.zeros_like(stays[:, :1]), np.cumsum(stays, axis=1)], axis=1)
-    # at layer j (forward or backward): j and j - 1 whole, the layers below staying
-    at = [
-        below[:, max(j - 1, 0)] + (whole[:, j - 1] if j >= 1 else 0) + whole[:, j]
-        for j in range(layers)
-    ]
-    forward = np.max(np.stack([below[:, layers], *at[:-1]]), axis=0)
-    backward = np.max(np.stack(at), axis=0)
+
+    def at(j: int, own: np.ndarray) -> Any:  # layer j (forward or backward), j - 1 whole
+        return below[:, max(j - 1, 0)] + (whole[:, j - 1] if j >= 1 else 0) + own[:, j]
+
+    forward = np.max(np.stack([below[:, layers], *(at(j, whole) for j in range(layers - 1))]), 0)
+    backward = np.max(np.stack([at(j, running) for j in range(layers)]), axis=0)
     back = below[:, layers] - stays[:, -1] + whole[:, -1]
     squeeze = (lambda x: x) if whole.shape[0] > 1 else (lambda x: int(x[0]))
     input, held, weight = split if split is not None else (None, None, None)
@@ -329,12 +335,14 @@ def stage_passes(
     during = [held for step, _, held in row.log if step.startswith("bwd")][::-1]
     chain = weight_chain(each, False, offloaded)
     kept = kept_pass(row, *split_bytes(retained, during, chain, moved))
+    # a checkpointed layer's backward holds its recompute: the whole layer (kept_pass's too)
+    running = [c.saved_bytes for c in costs]
     at = [
-        sum(stays[: max(j - 1, 0)]) + whole[j] + (whole[j - 1] if j >= 1 else 0)
+        sum(stays[: max(j - 1, 0)]) + running[j] + (whole[j - 1] if j >= 1 else 0)
         for j in range(len(each))
     ]
     split = split_bytes(stays, at, weight_chain(each, True, []), moved)
-    return kept, moved_pass(whole, stays, split)
+    return kept, moved_pass(whole, stays, split, running)
 
 
 def simulate_stage(
