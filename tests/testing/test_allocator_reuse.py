@@ -80,15 +80,22 @@ def test_the_peers_planted_reuse_is_caught_and_the_fixed_programs_pass(program):
         program(fix)
 
 
+def freed_after_a_read_by_compute(x: torch.Tensor) -> torch.cuda.Stream:
+    """Under ``modeled_cuda``: ``x.t()`` cloned on a transfer stream, read by compute and
+    freed, without ``record_stream``; the transfer stream."""
+    transfer = torch.cuda.Stream()
+    with torch.cuda.stream(transfer):
+        packed = x.t().clone()
+    torch.cuda.current_stream().wait_stream(transfer)
+    _ = packed * 2
+    del packed
+    return transfer
+
+
 def test_a_host_synchronisation_orders_the_reuse():
     x = torch.empty(1024, 512, device="meta")
     with timed_runtime(DEVICE) as run, modeled_cuda(run.live):
-        transfer = torch.cuda.Stream()
-        with torch.cuda.stream(transfer):
-            packed = x.t().clone()
-        torch.cuda.current_stream().wait_stream(transfer)
-        _ = packed * 2
-        del packed
+        transfer = freed_after_a_read_by_compute(x)
         torch.cuda.synchronize()
         with torch.cuda.stream(transfer):
             torch.empty(512, 1024, device="cuda").fill_(0)
@@ -97,12 +104,7 @@ def test_a_host_synchronisation_orders_the_reuse():
 def test_another_streams_pool_is_not_reused_and_a_smaller_block_splits():
     x = torch.empty(1024, 512, device="meta")
     with timed_runtime(DEVICE) as run, modeled_cuda(run.live):
-        transfer = torch.cuda.Stream()
-        with torch.cuda.stream(transfer):
-            packed = x.t().clone()
-        torch.cuda.current_stream().wait_stream(transfer)
-        _ = packed * 2
-        del packed
+        transfer = freed_after_a_read_by_compute(x)
         _ = torch.empty(512, 1024, device="cuda")  # compute's own pool: no reuse
         with torch.cuda.stream(transfer), pytest.raises(StreamHazardError, match="reuses"):
             torch.empty(384, 1024, device="cuda")  # most of the freed block
