@@ -9,13 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from helpers import forward
-
-
-def assert_equal(want: list[torch.Tensor], have: list[torch.Tensor]) -> None:
-    assert len(want) == len(have)
-    for a, b in zip(want, have):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+from helpers import assert_bit_identical, forward
 
 
 def squared_loss(
@@ -118,11 +112,11 @@ def assert_values_and_bytes(found: Replays, want: list[list[torch.Tensor]]) -> N
     assert found.eager is not None
     (d2h, h2d), values = found.eager
     assert d2h == h2d > 0
-    assert_equal(want[0], values)
+    assert_bit_identical(want[0], values)
     assert len(found.replays) == len(want)
     for (moved, values), wanted in zip(found.replays, want):
         assert moved == (d2h, h2d)
-        assert_equal(wanted, values)
+        assert_bit_identical(wanted, values)
     assert found.hazards == 0
 
 

@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 import torch
-from cuda_graph_steps import Moved, Replays, assert_equal, assert_replays_eager
+from cuda_graph_steps import Moved, Replays, assert_replays_eager
+from helpers import assert_bit_identical
 from megatron_graphs import DEVICE, FLAVOUR_IDS, FLAVOURS, expected, model_and_loss, whole_step
 
 from cpu_offload.graphs.graph_synchronizer import GRAPHED_OUTSIDE
@@ -269,7 +270,7 @@ def test_the_blocks_context_around_graphed_layers_moves_nothing(megatron):
     assert found.eager is not None and found.eager[0][0] > 0  # the warm-up step offloads
     for (moved, values), wanted in zip(found.replays, want):
         assert moved == (0, 0)
-        assert_equal(wanted, values)
+        assert_bit_identical(wanted, values)
     steps = found.report.cuda_graph
     assert (steps.captured, steps.warmup_steps) == (False, 1 + len(data))
 

@@ -33,13 +33,12 @@ from cuda_graph_steps import (
     Outer,
     Replays,
     StaticStep,
-    assert_equal,
     assert_replays_eager,
     assert_values_and_bytes,
     capture_and_replay,
     squared_loss,
 )
-from helpers import modeled_device
+from helpers import assert_bit_identical, modeled_device
 
 from cpu_offload import get_cpu_offload_context, offload_layers
 from cpu_offload.engine import layer_state, transitions
@@ -148,7 +147,7 @@ def test_eager_steps_between_replays_and_replays_after_them_compute_eager_values
             else:
                 loss = step()
             assert moved.since() == eager_bytes, how
-            assert_equal(want[number], [loss.detach(), *grads])
+            assert_bit_identical(want[number], [loss.detach(), *grads])
     assert strict.counters.hazards == 0 and eager_bytes[0] > 0
 
 
@@ -251,7 +250,7 @@ def test_step_graphs_under_per_layer_capture_fail_at_capture_end_a_faked_capture
     found, hazards, _ = faked(per_layer_callables=True)
     assert hazards == 0
     for values, wanted in zip(found, want):
-        assert_equal(wanted, values)
+        assert_bit_identical(wanted, values)
     with pytest.raises(CaptureError) as raised:
         per_layer("cuda", "get_cpu_offload_context", scope=True)
     assert raised.value.kind == UNJOINED
@@ -298,7 +297,7 @@ def test_a_host_synchronisation_in_the_schedule_passes_faked_and_fails_captured(
     found, hazards, synchronizer = faked(synchronized_instead)
     assert hazards == 0 and synchronizer.host_waits > 0  # the plant ran
     for values, wanted in zip(found, want):
-        assert_equal(wanted, values)
+        assert_bit_identical(wanted, values)
     with pytest.raises(CaptureError) as raised:
         whole_step("cuda", "get_cpu_offload_context", synchronized_instead)
     # the host waited for an event of the graph; ending the capture (torch.cuda.graph's
