@@ -292,10 +292,11 @@ class GraphSynchronizer(DefaultOffloadSynchronizer):
                 record.host_allocations += self._captured_allocations
             self._captured_allocations = record.host_allocations
             return
-        if steps.captures and saved_nothing(record):
+        nothing = saved_nothing(record)
+        if steps.captures and nothing:
             self._eager_since_capture = False  # a forward through graphed layers: a replay
             return
-        if saved_nothing(record) and not self._warned_outside:
+        if nothing and not self._warned_outside:
             self._warned_outside = True  # graphs captured outside the context, or no saves
             warn(GRAPHED_OUTSIDE)
         steps.warmup_steps += not steps.captures
