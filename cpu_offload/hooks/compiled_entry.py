@@ -18,13 +18,14 @@ NOTE [Compiled layers]
       layer's hooks as its own (they run eagerly: its call is not compiled, its
       ``forward`` is).
 
-    An offloaded layer's entry pushes graph-module hooks above the eager ones, which
-    AOTAutograd inlines as ops into the graphs it compiles (NOTE [Copies as graph
-    ops]); where it cannot (a layer in a checkpoint wrapper, see
-    :meth:`CompiledEntries._entered_around`; another filtering mode; an older torch)
-    the eager hooks entered around the compiled call see the compiled function's
+    The eager hooks entered around the compiled call see the compiled function's
     saved tensors when it saves them, after its forward graph ran, as they see an
-    eager layer's: the graph is the one compiled without offload.
+    eager layer's: the graph is the one compiled without offload.  With
+    ``offload_layers(..., compiled_copies="graph_ops")`` an offloaded layer's entry
+    also pushes graph-module hooks above the eager ones, which AOTAutograd inlines as
+    ops into the graphs it compiles (NOTE [Copies as graph ops]), except where it
+    cannot (a layer in a checkpoint wrapper, see :meth:`CompiledEntries._entered_around`;
+    another filtering mode; an older torch).
     :class:`CompiledEntries` finds such layers when ``offload_layers`` hooks them
     and, for layers compiled afterwards, before each forward of the model.  A whole
     model compiled at once runs its layers inside one graph: the hooks stay out of

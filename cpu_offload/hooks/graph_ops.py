@@ -4,9 +4,10 @@ NOTE [Copies as graph ops]
     AOTAutograd inlines saved-tensor hooks that are ``torch.fx.GraphModule`` s: the
     pack hook's graph becomes the compiled forward's epilogue (once per saved
     intermediate), the unpack hook's graph the compiled backward's prologue, and the
-    compiled call runs with the eager hooks off.  A compiled layer entered for offload
-    (NOTE [Compiled layers]) pushes :data:`PACK` and :data:`UNPACK` above the layer's
-    own eager hooks while its compiled call runs:
+    compiled call runs with the eager hooks off.  With ``compiled_copies="graph_ops"``
+    (opt-in: the eager hooks move the layers' inputs too, for less host cost), a
+    compiled layer entered for offload (NOTE [Compiled layers]) pushes :data:`PACK` and
+    :data:`UNPACK` above the layer's own eager hooks while its compiled call runs:
 
     * ``cpu_offload::offload_saved(t) -> token`` hands ``t`` to the layer state whose
       pack hook is underneath (:class:`GraphOps`), and returns an empty token that
